@@ -1,0 +1,1 @@
+"""The collector role: drains the result stream into deduplicated JSONL on disk."""

@@ -1,0 +1,285 @@
+"""Drain the result stream to disk: write, flush, fsync, then acknowledge (decision 4).
+
+The dataset bitmaps ``done`` and ``failed`` say which ids are on disk. They are only set in
+the same MULTI that acknowledges the entries and moves the file's checkpoint offset, so after
+any crash the lines past the checkpoint are re-read from disk at start-up and the replayed
+stream entries for them are dropped as duplicates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.registry import FailedJobRegistry
+
+from collector.files import ERRORS, RAW, Appender, cut_torn_tail, scan
+from genq import datasets
+from genq.bitmaps import is_set
+from genq.keys import Keys
+from genq.schema import KIND_ERROR, KIND_RECORD, bit_index, error_record, loads, parse_job_id
+
+log = logging.getLogger("genq.collector")
+
+CONSUMER = "collector"
+LEASE_TTL_S = 15
+
+
+class LeaseHeld(Exception):
+    pass
+
+
+@dataclass
+class Item:
+    """One result on its way to disk."""
+
+    kind: bytes
+    data: dict
+    entry_id: bytes | None  # None for errors the collector itself found (failed registry)
+
+
+class Collector:
+    def __init__(self, conn: redis.Redis, keys: Keys, out: Path, batch: int = 500):
+        self.conn = conn
+        self.keys = keys
+        self.out = out
+        self.batch = batch
+        self.lease_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._settings: dict[str, datasets.DatasetSettings] = {}
+        self._files: dict[tuple[str, str], Appender] = {}
+        self._lease_renewed = 0.0
+        self.written = 0
+        self.duplicates = 0
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    def acquire_lease(self, wait_s: float = LEASE_TTL_S + 5) -> None:
+        """Decision 11: one collector per namespace. Waits out a dead holder's lease first."""
+        deadline = time.monotonic() + wait_s
+        while not self.conn.set(self.keys.collector_lease, self.lease_id, nx=True, ex=LEASE_TTL_S):
+            holder = self.conn.get(self.keys.collector_lease)
+            if time.monotonic() > deadline:
+                raise LeaseHeld(
+                    f"another collector holds namespace {self.keys.namespace!r}: "
+                    f"{holder.decode() if holder else '?'}"
+                )
+            time.sleep(1)
+        self._lease_renewed = time.monotonic()
+
+    def renew_lease(self) -> None:
+        if time.monotonic() - self._lease_renewed < LEASE_TTL_S / 3:
+            return
+        script = (
+            "if redis.call('get', KEYS[1]) == ARGV[1] then "
+            "return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
+        )
+        if not self.conn.eval(script, 1, self.keys.collector_lease, self.lease_id, LEASE_TTL_S):
+            raise LeaseHeld(f"lost the collector lease of namespace {self.keys.namespace!r}")
+        self._lease_renewed = time.monotonic()
+
+    def release_lease(self) -> None:
+        self.conn.delete(self.keys.collector_ready)
+        script = (
+            "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+        )
+        self.conn.eval(script, 1, self.keys.collector_lease, self.lease_id)
+
+    def start(self) -> None:
+        self.acquire_lease()
+        self.conn.delete(self.keys.collector_ready)
+        try:
+            self.conn.xgroup_create(self.keys.results, self.keys.results_group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self.reconcile()
+        self.conn.set(self.keys.collector_ready, self.lease_id)
+
+    def reconcile(self) -> None:
+        """Cut torn lines and mark in Redis every id on disk past the last checkpoint."""
+        for name in self._datasets():
+            for kind, filename in ((KIND_ERROR, ERRORS), (KIND_RECORD, RAW)):
+                path = self.out / name / filename
+                cut = cut_torn_tail(path)
+                if cut:
+                    log.warning("%s: cut a torn last line (%d bytes) left by a crash", path, cut)
+                self._reconcile_file(name, kind, path)
+
+    def _reconcile_file(self, name: str, kind: bytes, path: Path) -> None:
+        field = str(path)
+        size = path.stat().st_size if path.exists() else 0
+        offset = int(self.conn.hget(self.keys.collector_offsets, field) or 0)
+        if offset > size:
+            log.warning("%s is shorter than its checkpoint: re-reading all of it", path)
+            offset = 0
+        samples = self._settings[name].samples
+        marked = 0
+        pipe = self.conn.pipeline(transaction=False)
+        for _, obj in scan(path, offset):
+            index = bit_index(obj["row"], obj["sample"], samples)
+            self._mark(pipe, name, kind, index)
+            marked += 1
+            if len(pipe) >= 3000:
+                pipe.execute()
+        pipe.hset(self.keys.collector_offsets, field, size)
+        pipe.execute()
+        if marked:
+            log.info("%s: marked %d ids found on disk past the checkpoint", path, marked)
+
+    def _mark(self, pipe, name: str, kind: bytes, index: int) -> None:
+        pipe.setbit(self.keys.enqueued(name), index, 1)
+        if kind == KIND_RECORD:
+            pipe.setbit(self.keys.done(name), index, 1)
+            pipe.setbit(self.keys.failed(name), index, 0)  # a record beats an earlier error
+        else:
+            pipe.setbit(self.keys.failed(name), index, 1)
+
+    def _datasets(self) -> list[str]:
+        self._settings = datasets.load_all(self.conn, self.keys)
+        return list(self._settings)
+
+    # -- draining ---------------------------------------------------------------------------
+
+    def read(self, block_ms: int) -> list[Item]:
+        """Entries delivered to us but not acknowledged (after a crash) first, then new ones."""
+        for start in ("0", ">"):
+            resp = self.conn.xreadgroup(
+                self.keys.results_group,
+                CONSUMER,
+                {self.keys.results: start},
+                count=self.batch,
+                block=block_ms if start == ">" else None,
+            )
+            entries = resp[0][1] if resp else []
+            if entries:
+                return [self._item(entry_id, fields) for entry_id, fields in entries]
+        return []
+
+    @staticmethod
+    def _item(entry_id: bytes, fields: dict) -> Item:
+        return Item(kind=fields[b"kind"], data=loads(fields[b"data"]), entry_id=entry_id)
+
+    def write(self, items: list[Item]) -> int:
+        """Append the new ones, fsync, then mark, checkpoint and acknowledge all in one MULTI."""
+        if not items:
+            return 0
+        if {i.data.get("dataset") for i in items} - set(self._settings):
+            self._datasets()
+        placed = []
+        for item in items:
+            name = item.data.get("dataset")
+            settings = self._settings.get(name)
+            if settings is None:
+                log.error(
+                    "result for unknown dataset %r (id %s): left in the stream", name, item.data.get("id")
+                )
+                continue
+            placed.append((item, name, bit_index(item.data["row"], item.data["sample"], settings.samples)))
+        with self.conn.pipeline(transaction=False) as pipe:
+            for _, name, index in placed:
+                pipe.getbit(self.keys.done(name), index)
+                pipe.getbit(self.keys.failed(name), index)
+            bits = pipe.execute()
+        seen: set[tuple[str, int]] = set()
+        to_mark = []
+        for n, (item, name, index) in enumerate(placed):
+            done, failed = bits[2 * n], bits[2 * n + 1]
+            duplicate = (name, index) in seen or done or (item.kind == KIND_ERROR and failed)
+            if duplicate:
+                self.duplicates += 1
+                continue
+            seen.add((name, index))
+            self._file(name, item.kind).append(item.data)
+            to_mark.append((name, item.kind, index))
+        offsets = {str(f.path): f.sync() for f in self._files.values()}
+        with self.conn.pipeline(transaction=True) as pipe:
+            for name, kind, index in to_mark:
+                self._mark(pipe, name, kind, index)
+            if offsets:
+                pipe.hset(self.keys.collector_offsets, mapping=offsets)
+            entry_ids = [item.entry_id for item, _, _ in placed if item.entry_id is not None]
+            if entry_ids:
+                pipe.xack(self.keys.results, self.keys.results_group, *entry_ids)
+                pipe.xdel(self.keys.results, *entry_ids)
+            for name, count in Counter(n for i, n, _ in placed if i.entry_id is not None).items():
+                pipe.hincrby(self.keys.in_stream, name, -count)
+            pipe.execute()
+        self.written += len(to_mark)
+        return len(to_mark)
+
+    def _file(self, name: str, kind: bytes) -> Appender:
+        key = (name, RAW if kind == KIND_RECORD else ERRORS)
+        if key not in self._files:
+            self._files[key] = Appender(self.out / name / key[1])
+        return self._files[key]
+
+    # -- jobs RQ failed without a word from a worker ----------------------------------------
+
+    def failed_without_error(self) -> list[Item]:
+        """Jobs in RQ's failed registries (a worker died with them once too often) that have no
+        line in errors.jsonl yet. Call with the stream drained: a worker adds a job's error to the
+        stream before RQ marks the job failed, so what is left has no error of its own."""
+        items = []
+        for name, settings in self._settings.items():
+            queue = Queue(self.keys.queue_name(name), connection=self.conn, serializer="json")
+            ids = FailedJobRegistry(queue=queue).get_job_ids()
+            if not ids:
+                continue
+            done = self.conn.get(self.keys.done(name)) or b""
+            failed = self.conn.get(self.keys.failed(name)) or b""
+            for job_id in ids:
+                parsed = parse_job_id(job_id, name, settings.samples)
+                if parsed is None:
+                    continue
+                index = bit_index(*parsed, settings.samples)
+                if is_set(done, index) or is_set(failed, index):
+                    continue
+                items.append(Item(KIND_ERROR, self._abandoned_error(job_id, name, *parsed), None))
+        return items
+
+    def _abandoned_error(self, job_id: str, name: str, row: int, sample: int) -> dict:
+        message = "RQ moved the job to its failed registry"
+        try:
+            result = Job.fetch(job_id, connection=self.conn, serializer="json").latest_result()
+            if result is not None and result.exc_string:
+                message = result.exc_string.strip().splitlines()[-1]
+        except Exception as exc:  # noqa: BLE001 - the reason is a nicety; the error line is not
+            log.debug("job %s: could not read its failure (%s)", job_id, exc)
+        attempts = self.conn.hget(self.keys.attempts, job_id)
+        return error_record(
+            id=job_id,
+            dataset=name,
+            row=row,
+            sample=sample,
+            error="abandoned",
+            message=message,
+            status=None,
+            attempts=int(attempts) if attempts is not None else None,
+        )
+
+    # -- state ------------------------------------------------------------------------------
+
+    def work_left(self) -> int:
+        """Jobs queued or in flight, plus entries in the stream (for --burst)."""
+        total = int(self.conn.xlen(self.keys.results))
+        with self.conn.pipeline(transaction=False) as pipe:
+            for name in self._datasets():
+                queue = Queue(self.keys.queue_name(name), connection=self.conn, serializer="json")
+                pipe.llen(queue.key)
+                pipe.llen(queue.intermediate_queue_key)
+                pipe.zcard(queue.started_job_registry.key)
+                pipe.zcard(queue.scheduled_job_registry.key)
+            return total + sum(pipe.execute())
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()

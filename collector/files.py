@@ -1,0 +1,91 @@
+"""The output files of one dataset: append-only JSONL, fsynced before anything is acknowledged."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import orjson
+
+RAW = "raw_responses.jsonl"
+ERRORS = "errors.jsonl"
+
+
+def cut_torn_tail(path: Path) -> int:
+    """Drop a last line that a crash left without its newline; return the bytes dropped."""
+    if not path.exists():
+        return 0
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with path.open("rb+") as fh:
+        fh.seek(size - 1)
+        if fh.read(1) == b"\n":
+            return 0
+        # Walk back to the previous newline in blocks.
+        pos = size
+        keep = 0
+        while pos > 0:
+            start = max(0, pos - 65536)
+            fh.seek(start)
+            block = fh.read(pos - start)
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            pos = start
+        fh.truncate(keep)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return size - keep
+
+
+def scan(path: Path, offset: int = 0) -> Iterator[tuple[int, dict]]:
+    """Parsed lines from byte ``offset`` on, with the offset just past each line."""
+    if not path.exists():
+        return
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        pos = offset
+        for line in fh:
+            pos += len(line)
+            if line.strip():
+                yield pos, orjson.loads(line)
+
+
+class Appender:
+    """An open output file. ``append`` buffers; ``sync`` makes it durable."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        self.path = path
+        self._fh: BinaryIO = path.open("ab")
+        if new:
+            _fsync_dir(path.parent)
+        self.dirty = False
+
+    def append(self, obj: dict) -> None:
+        self._fh.write(orjson.dumps(obj) + b"\n")
+        self.dirty = True
+
+    def sync(self) -> int:
+        """Flush and fsync; return the file's size (the offset now safe to checkpoint)."""
+        if self.dirty:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self.dirty = False
+        return self._fh.tell()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

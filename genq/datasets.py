@@ -1,0 +1,78 @@
+"""A dataset's settings, fixed at its first enqueue (decision 12).
+
+One output file never mixes two recipes: enqueueing more rows of a dataset with other
+generation settings is refused unless the caller says so explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from genq.keys import Keys
+from genq.schema import dumps, loads, now_iso
+
+
+@dataclass
+class DatasetSettings:
+    name: str
+    samples: int
+    sampling_params: dict[str, Any]
+    sources: list[str] = field(default_factory=list)
+    created_at: str = field(default_factory=now_iso)
+
+    def recipe(self) -> dict[str, Any]:
+        """What must match between two enqueues of the same dataset."""
+        return {"samples": self.samples, "sampling_params": self.sampling_params}
+
+
+class SettingsMismatch(Exception):
+    pass
+
+
+def load_all(conn: redis.Redis, keys: Keys) -> dict[str, DatasetSettings]:
+    raw = conn.hgetall(keys.datasets)
+    return {k.decode(): DatasetSettings(**loads(v)) for k, v in sorted(raw.items())}
+
+
+def load(conn: redis.Redis, keys: Keys, name: str) -> DatasetSettings | None:
+    raw = conn.hget(keys.datasets, name)
+    return DatasetSettings(**loads(raw)) if raw else None
+
+
+def register(
+    conn: redis.Redis, keys: Keys, settings: DatasetSettings, replace: bool = False
+) -> DatasetSettings:
+    """Record ``settings`` for a new dataset, or check them against the recorded ones.
+
+    Returns the settings in force. Raises :class:`SettingsMismatch` when the recipe differs and
+    ``replace`` is false.
+    """
+    if conn.hsetnx(keys.datasets, settings.name, dumps(asdict(settings))):
+        return settings
+    current = load(conn, keys, settings.name)
+    assert current is not None
+    old, new = current.sources, settings.sources
+    if new[: len(old)] != old and old[: len(new)] != new:
+        raise SettingsMismatch(
+            f"dataset {settings.name!r} was enqueued from {old}; rows are numbered across files in "
+            f"that order, so {new} would reuse their ids. Give the same files first (more may follow), "
+            "or use another --dataset name"
+        )
+    if current.recipe() == settings.recipe():
+        if len(new) > len(old):
+            current.sources = new
+            conn.hset(keys.datasets, settings.name, dumps(asdict(current)))
+        return current
+    if not replace:
+        raise SettingsMismatch(
+            f"dataset {settings.name!r} was first enqueued with {current.recipe()}, "
+            f"not {settings.recipe()}; use another --dataset name, or --replace-settings "
+            "to mix recipes in one output file"
+        )
+    if current.samples != settings.samples:
+        raise SettingsMismatch(f"dataset {settings.name!r}: --samples cannot change ({current.samples})")
+    conn.hset(keys.datasets, settings.name, dumps(asdict(settings)))
+    return settings

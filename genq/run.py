@@ -1,0 +1,212 @@
+"""`genq run`: the whole pipeline on one machine, in one command, resumable.
+
+It starts (unless --redis is given) a private redis-server persisted in OUT/.redis, the
+simulator (with --simulate), the collector, the enqueue, and N workers, each a child process
+that dies with it; prints progress; and exits once every job is on disk. Run it again after a
+kill and it continues: the enqueue skips what is queued or done, and jobs the dead workers had
+started go back to the front of their queues.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from genq import status as status_mod
+from genq.embedded import EmbeddedRedis
+from genq.keys import Keys
+from genq.orphans import requeue_orphans
+from genq.processes import genq_command, spawn, stop, wait_for_line
+from genq.sampling import sampling_argv, sampling_options
+from genq.settings import connect, option, redact, redis_options
+
+
+class Interrupted(Exception):
+    pass
+
+
+@click.command("run")
+@click.argument(
+    "files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+@option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
+@option("--server", default=None, help="SGLang server URL (or --simulate).")
+@option("--simulate", is_flag=True, help="Start the bundled SGLang simulator and use it.")
+@option(
+    "--sim-latency",
+    type=click.Choice(["zero", "realistic"]),
+    default="realistic",
+    help="Latency model of the simulator.",
+)
+@option("--workers", type=click.IntRange(min=1), default=2, help="Worker processes.")
+@option("--concurrency", type=click.IntRange(min=1), default=128, help="Jobs in flight per worker.")
+@option(
+    "--dataset", default=None, help="One dataset name for all FILES (default: one dataset per file stem)."
+)
+@sampling_options
+@redis_options
+def run_command(
+    files,
+    out,
+    server,
+    simulate,
+    sim_latency,
+    workers,
+    concurrency,
+    dataset,
+    max_new_tokens,
+    temperature,
+    top_p,
+    top_k,
+    stop_token_ids,
+    samples,
+    seed,
+    redis_url,
+    namespace,
+):
+    """Run FILES end to end on this machine and exit when every result is on disk."""
+    if bool(server) == bool(simulate):
+        raise click.UsageError("give exactly one of --server URL or --simulate")
+    ctx = click.get_current_context()
+    embedded = ctx.get_parameter_source("redis_url") == click.core.ParameterSource.DEFAULT
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / ".logs"
+    logs.mkdir(exist_ok=True)
+    children: list[subprocess.Popen] = []
+    redis_server = EmbeddedRedis(out / ".redis") if embedded else None
+
+    def interrupted(signum, frame):
+        raise Interrupted()
+
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
+    try:
+        if redis_server is not None:
+            redis_url = redis_server.start()
+        conn = connect(redis_url)
+        keys = Keys(namespace)
+        # Through the environment, never argv: a password in the URL must not show in `ps`.
+        env = {"GENQ_REDIS_URL": redis_url, "GENQ_NAMESPACE": namespace}
+        where = f" (private, persisted in {out / '.redis'})" if embedded else ""
+        click.echo(f"genq run: Redis {redact(redis_url)}{where}", err=True)
+        if embedded:
+            back = requeue_orphans(conn, keys)
+            if back:
+                click.echo(
+                    f"genq run: {back} jobs left started by an earlier run went back to their queues",
+                    err=True,
+                )
+        if simulate:
+            sim = _start(
+                genq_command("sim-server", "--port", "0", "--latency", sim_latency),
+                logs / "sim.log",
+                {},
+                stdout=subprocess.PIPE,
+            )
+            children.append(sim)
+            server = wait_for_line(sim, "sim-server listening on ", 30).rsplit(" ", 1)[1]
+        collector = _start(genq_command("collect", "--out", str(out)), logs / "collector.log", env)
+        children.append(collector)
+        _wait_ready(conn, keys, collector, 60)
+        groups = [(dataset, list(files))] if dataset else [(f.stem, [f]) for f in files]
+        sampling = sampling_argv(max_new_tokens, temperature, top_p, top_k, stop_token_ids, samples, seed)
+        for name, paths in groups:
+            result = subprocess.run(
+                genq_command("enqueue", *map(str, paths), "--dataset", name, *sampling),
+                env={**os.environ, **env},
+            )
+            if result.returncode != 0:
+                raise click.ClickException(f"enqueue of {name} failed (exit {result.returncode})")
+        worker_argv = genq_command("worker", "--server", server, "--concurrency", str(concurrency))
+        pool = [_start(worker_argv, logs / f"worker-{i}.log", env) for i in range(workers)]
+        children.extend(pool)
+        _follow(conn, keys, pool, collector, worker_argv, logs, env)
+        for proc in pool:
+            stop(proc, 90)
+        stop(collector, 60)
+        counts = status_mod.dataset_counts(conn, keys)
+        for name, c in counts.items():
+            click.echo(f"{name}: {c['done']} done, {c['failed']} failed of {c['total']} -> {out / name}")
+    except Interrupted:
+        click.echo("\ngenq run: interrupted; run the same command again to resume", err=True)
+        for proc in reversed(children):
+            stop(proc, 30)
+        if redis_server is not None:
+            redis_server.stop()
+        sys.exit(130)
+    finally:
+        for proc in reversed(children):
+            stop(proc, 30)
+        if redis_server is not None:
+            redis_server.stop()
+
+
+def _start(
+    argv: list[str], log_path: Path, env: dict[str, str], stdout: int | None = None
+) -> subprocess.Popen:
+    """A child whose log goes to ``log_path`` (and stdout too, unless piped to us)."""
+    with open(log_path, "ab") as log:
+        return spawn(argv, env=env, stdout=stdout if stdout is not None else log, stderr=log)
+
+
+def _wait_ready(conn, keys: Keys, collector: subprocess.Popen, timeout: float) -> None:
+    """The collector has reconciled Redis with the files on disk: only then is enqueue's
+    'already done' check complete."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lease, ready = conn.mget(keys.collector_lease, keys.collector_ready)
+        if lease and lease == ready:
+            return
+        if collector.poll() is not None:
+            raise click.ClickException(
+                f"the collector exited ({collector.returncode}); see its log in OUT/.logs"
+            )
+        time.sleep(0.1)
+    raise click.ClickException("the collector did not get ready in time; see OUT/.logs/collector.log")
+
+
+def _follow(conn, keys: Keys, pool, collector, worker_argv, logs: Path, env) -> None:
+    """Progress until everything is on disk; restart a worker that dies."""
+    start = time.monotonic()
+    first_done = None
+    tty = sys.stderr.isatty()
+    last_print = 0.0
+    while True:
+        counts = status_mod.dataset_counts(conn, keys)
+        total = sum(c["total"] for c in counts.values())
+        done = sum(c["done"] for c in counts.values())
+        failed = sum(c["failed"] for c in counts.values())
+        if first_done is None:
+            first_done = done + failed
+        elapsed = time.monotonic() - start
+        rate = (done + failed - first_done) / elapsed if elapsed > 0 else 0.0
+        line = (
+            f"[{elapsed:6.0f}s] {done + failed}/{total} on disk ({failed} failed), "
+            f"{sum(c['in_flight'] for c in counts.values())} in flight, "
+            f"{sum(c['queued'] for c in counts.values())} queued, {rate:.1f} jobs/s"
+        )
+        if tty:
+            click.echo("\r" + line.ljust(100), nl=False, err=True)
+        elif time.monotonic() - last_print >= 5:
+            click.echo(line, err=True)
+            last_print = time.monotonic()
+        if status_mod.finished(counts) and int(conn.xlen(keys.results)) == 0:
+            if tty:
+                click.echo("", err=True)
+            click.echo(line, err=True)
+            return
+        for i, proc in enumerate(pool):
+            if proc.poll() is not None:
+                click.echo(f"\ngenq run: worker {i} exited ({proc.returncode}); restarting it", err=True)
+                pool[i] = _start(worker_argv, logs / f"worker-{i}.log", env)
+        if collector.poll() is not None:
+            raise click.ClickException(
+                f"the collector exited ({collector.returncode}); see OUT/.logs/collector.log"
+            )
+        time.sleep(0.5)

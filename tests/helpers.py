@@ -1,0 +1,131 @@
+"""Shared test helpers: real processes, bounded waits, and the invariant checks of DESIGN.md."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from sim.model import generate
+
+
+def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``cond`` until it is truthy; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def genq_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "genq", *map(str, args)]
+
+
+class Procs:
+    """Processes a test started; all killed at teardown, whatever happened."""
+
+    def __init__(self, env: dict[str, str], logs: Path):
+        self.env = env
+        self.logs = logs
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = self.logs / f"{name or args[0]}-{len(self.procs)}.log"
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(
+                genq_argv(*args), env={**self.env, **(env or {})}, stdout=fh, stderr=subprocess.STDOUT
+            )
+        proc.log_path = log  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def run(self, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            genq_argv(*args), env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout
+        )
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def log_of(proc: subprocess.Popen) -> str:
+    return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    proc.send_signal(sig)
+    return proc.wait(timeout)
+
+
+def write_prompts(path: Path, n: int, start: int = 0, length: tuple[int, int] = (4, 40)) -> list[list[int]]:
+    """``n`` pre-tokenized prompts of varied length; returns their input_ids."""
+    rows = []
+    with path.open("wb") as fh:
+        for i in range(start, start + n):
+            ids = [100 + (i * 7 + j * 13) % 30000 for j in range(length[0] + i % (length[1] - length[0]))]
+            rows.append(ids)
+            fh.write(orjson.dumps({"id": f"src-{i}", "input_ids": ids}) + b"\n")
+    return rows
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every line parsed; a torn (unterminated) or unparsable line fails the test."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    assert not data or data.endswith(b"\n"), f"{path}: torn last line"
+    return [orjson.loads(line) for line in data.splitlines() if line.strip()]
+
+
+def check_records(out: Path, dataset: str, prompts: list[list[int]], params: dict, samples: int = 1) -> list[dict]:
+    """DESIGN.md invariants on disk: each job exactly once, output_ids the server's for its prompt."""
+    records = read_jsonl(out / dataset / "raw_responses.jsonl")
+    ids = Counter(r["id"] for r in records)
+    dupes = [i for i, c in ids.items() if c > 1]
+    assert not dupes, f"duplicated ids: {dupes[:10]}"
+    expected = {
+        (f"{dataset}-{row}-{k}" if samples > 1 else f"{dataset}-{row}") for row in range(len(prompts))
+        for k in range(samples)
+    }
+    assert set(ids) == expected, f"missing {sorted(expected - set(ids))[:10]}, extra {sorted(set(ids) - expected)[:10]}"
+    for r in records:
+        p = dict(params)
+        if samples > 1:
+            p["sampling_seed"] = p.get("sampling_seed", 0) + r["sample"]
+        gen = generate(prompts[r["row"]], p)
+        assert r["output_ids"] == gen.output_ids, f"{r['id']}: output_ids are not the server's for its prompt"
+        assert r["completion_tokens"] == len(r["output_ids"])
+        assert r["prompt_tokens"] == len(prompts[r["row"]])
+    return records
+
+
+def status_json(procs: Procs) -> dict:
+    res = procs.run("status", "--json", timeout=60)
+    assert res.returncode == 0, res.stderr
+    return orjson.loads(res.stdout)
+
+
+def assert_adds_up(status: dict) -> None:
+    for name, c in status["datasets"].items():
+        parts = c["queued"] + c["in_flight"] + c["retrying"] + c["done"] + c["failed"]
+        assert parts == c["total"], f"{name}: {c} does not add up"
+
+
+def sigkill(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)

@@ -1,0 +1,233 @@
+"""RQ bookkeeping for many jobs in flight in one process (decision 1).
+
+RQ's ``BaseWorker`` holds a single ``execution``; this subclass gives each in-flight job its
+own :class:`rq.executions.Execution` and points ``self.execution`` at the right one just
+before calling RQ's own ``handle_job_success`` / ``handle_job_failure``. Every method here is
+synchronous and runs on one dedicated thread, so that swap is never interleaved.
+
+RQ internals relied on (pinned ``rq==2.12.*``): ``Execution.create`` / ``heartbeat`` /
+``delete``, ``Job.prepare_for_execution``, ``Queue.lmove`` into the intermediate queue,
+``StartedJobRegistry.cleanup`` for abandoned jobs, ``IntermediateQueue.cleanup``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from itertools import islice
+
+import redis
+from rq import Queue, worker_registration
+from rq.executions import Execution
+from rq.job import Job
+from rq.registry import StartedJobRegistry
+from rq.utils import now
+from rq.worker import BaseWorker, WorkerStatus
+
+from genq import datasets
+from genq.keys import Keys
+from genq.schema import KIND_ERROR, KIND_RECORD, JobSpec, dumps
+
+log = logging.getLogger("genq.worker")
+
+
+@dataclass
+class Taken:
+    """A job this worker has started: its RQ objects and its payload."""
+
+    job: Job
+    queue: Queue
+    execution: Execution
+    spec: JobSpec
+    finishing: bool = False  # its result is being handed to Redis: never requeue it
+
+
+class Bookkeeper(BaseWorker):
+    """The RQ side of one genq worker process."""
+
+    def __init__(self, conn: redis.Redis, keys: Keys, heartbeat_ttl: int, server: str):
+        self.keys = keys
+        self.heartbeat_ttl = heartbeat_ttl
+        self.server = server
+        host = socket.gethostname().split(".")[0]
+        name = f"{keys.worker_prefix}{host}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+        super().__init__(
+            [],
+            name=name,
+            connection=conn,
+            serializer="json",
+            worker_ttl=heartbeat_ttl,
+            job_monitoring_interval=heartbeat_ttl,
+        )
+        self._rotation = 0
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.refresh_queues()
+        self.register_birth()
+        self.connection.hset(self.key, mapping={"genq_server": self.server})
+        self.set_state(WorkerStatus.IDLE)
+
+    def stop(self) -> None:
+        self.register_death()
+
+    def refresh_queues(self) -> None:
+        """Serve every dataset of the namespace, including ones enqueued after start."""
+        names = [self.keys.queue_name(n) for n in datasets.load_all(self.connection, self.keys)]
+        if names == self.queue_names():
+            return
+        self.queues = [Queue(n, connection=self.connection, serializer=self.serializer) for n in names]
+        self._ordered_queues = self.queues[:]
+        if self.birth_date is not None:
+            with self.connection.pipeline() as pipe:
+                pipe.hset(self.key, "queues", ",".join(names))
+                worker_registration.register(self, pipe)
+                pipe.execute()
+
+    # -- taking jobs ------------------------------------------------------------------------
+
+    def take(self, limit: int) -> list[Taken]:
+        """Move up to ``limit`` jobs from the queues into this worker, each with an Execution.
+
+        ``LMOVE`` into RQ's intermediate queue first, so a crash between the move and the
+        Execution leaves the id where RQ's intermediate-queue cleanup finds it.
+        """
+        ids: list[tuple[Queue, str]] = []
+        queues = self._ordered_queues[self._rotation :] + self._ordered_queues[: self._rotation]
+        self._rotation = (self._rotation + 1) % max(1, len(self._ordered_queues))
+        for queue in queues:
+            want = limit - len(ids)
+            if want <= 0:
+                break
+            with self.connection.pipeline(transaction=False) as pipe:
+                for _ in range(want):
+                    pipe.lmove(queue.key, queue.intermediate_queue_key)
+                moved = [m for m in pipe.execute() if m is not None]
+            ids.extend((queue, m.decode()) for m in moved)
+        if not ids:
+            return []
+        jobs = Job.fetch_many([i for _, i in ids], self.connection, serializer=self.serializer)
+        taken: list[Taken] = []
+        with self.connection.pipeline() as pipe:
+            for (queue, job_id), job in zip(ids, jobs, strict=True):
+                pipe.lrem(queue.intermediate_queue_key, 1, job_id)
+                if job is None:  # deleted while queued: nothing to run
+                    continue
+                try:
+                    spec = JobSpec.from_kwargs(job.kwargs)
+                except Exception as exc:  # noqa: BLE001 - a payload we cannot read fails, loudly
+                    log.error("job %s: unreadable payload (%s); failing it", job_id, exc)
+                    self._fail_unreadable(job, queue, str(exc))
+                    continue
+                execution = Execution.create(job, self.heartbeat_ttl, pipeline=pipe, worker_name=self.name)
+                job.prepare_for_execution(self.name, pipeline=pipe)
+                taken.append(Taken(job, queue, execution, spec))
+            if taken:
+                self.set_state(WorkerStatus.BUSY, pipeline=pipe)
+                self.set_current_job_id(taken[-1].job.id, pipeline=pipe)
+            pipe.execute()
+        return taken
+
+    def _fail_unreadable(self, job: Job, queue: Queue, message: str) -> None:
+        """A job in a genq queue that genq did not write: fail it where operators will see it."""
+        job.retries_left = 0
+        self.handle_job_failure(job, queue, exc_string=f"unreadable genq job payload: {message}")
+
+    # -- in flight --------------------------------------------------------------------------
+
+    def heartbeat_all(self, taken: list[Taken]) -> None:
+        """Refresh this worker and every in-flight execution (RQ's abandoned-job clock)."""
+        ttl = self.heartbeat_ttl
+        for chunk in _chunks(taken, 500):
+            with self.connection.pipeline() as pipe:
+                self.heartbeat(ttl + 60, pipeline=pipe)
+                for t in chunk:
+                    t.execution.heartbeat(t.job.started_job_registry, ttl, pipeline=pipe)
+                    t.job.heartbeat(now(), ttl, pipeline=pipe)
+                pipe.execute()
+        if not taken:
+            self.heartbeat(ttl + 60)
+        else:
+            self.set_current_job_id(taken[-1].job.id)
+
+    def attempt(self, job_id: str, delta: int = 1) -> int:
+        """Count an attempt in Redis, so the budget holds across workers."""
+        return int(self.connection.hincrby(self.keys.attempts, job_id, delta))
+
+    # -- endings ----------------------------------------------------------------------------
+
+    def succeed(self, t: Taken, record: dict) -> None:
+        """Hand the record to the collector, then let RQ finish the job its own way."""
+        self._hand_over(t, KIND_RECORD, record)
+        t.job._result = {"tokens": record["completion_tokens"]}
+        t.job.ended_at = now()
+        self.execution = t.execution
+        self.handle_job_success(t.job, t.queue, t.job.started_job_registry)
+        self._idle_if_empty()
+
+    def fail(self, t: Taken, error: dict) -> None:
+        """A terminal failure: the error goes to the collector, the job to RQ's failed registry."""
+        self._hand_over(t, KIND_ERROR, error)
+        t.job.ended_at = now()
+        t.job.retries_left = 0  # ours is a final verdict: RQ must not requeue it
+        self.execution = t.execution
+        self.handle_job_failure(
+            t.job, t.queue, t.job.started_job_registry, exc_string=f"{error['error']}: {error['message']}"
+        )
+        self._idle_if_empty()
+
+    def _hand_over(self, t: Taken, kind: bytes, data: dict) -> None:
+        """Add a result to the stream, counted per dataset in the same MULTI."""
+        with self.connection.pipeline() as pipe:
+            pipe.xadd(self.keys.results, {"kind": kind, "id": t.job.id, "data": dumps(data)})
+            pipe.hincrby(self.keys.in_stream, t.spec.dataset, 1)
+            pipe.hdel(self.keys.attempts, t.job.id)
+            pipe.execute()
+
+    def requeue(self, taken: list[Taken]) -> None:
+        """Put jobs back at the front of their queues at once (graceful stop)."""
+        with self.connection.pipeline() as pipe:
+            for t in taken:
+                t.execution.delete(job=t.job, pipeline=pipe)
+                t.queue.enqueue_job(t.job, pipeline=pipe, at_front=True)
+            self.set_current_job_id(None, pipeline=pipe)
+            pipe.execute()
+
+    def _idle_if_empty(self) -> None:
+        self.execution = None
+
+    # -- maintenance ------------------------------------------------------------------------
+
+    def reap(self, lock_ttl: int) -> None:
+        """Requeue the jobs of dead workers (RQ's abandoned-job handling), one worker at a time.
+
+        RQ runs this only every ``maintenance_interval`` (10 min) or on ``rq info``; genq runs it
+        every few seconds so a killed worker's jobs come back within the heartbeat TTL.
+        """
+        if not self.connection.set(self.keys.maintenance_lock, self.name, nx=True, ex=lock_ttl):
+            return
+        for queue in self.queues:
+            StartedJobRegistry(queue=queue, serializer=self.serializer).cleanup()
+            queue.intermediate_queue.cleanup(self, queue)
+        for queue in self.queues:
+            worker_registration.clean_worker_registry(queue)
+
+    def queued_count(self) -> int:
+        with self.connection.pipeline(transaction=False) as pipe:
+            for q in self.queues:
+                pipe.llen(q.key)
+                pipe.llen(q.intermediate_queue_key)
+            return sum(pipe.execute())
+
+    def stream_length(self) -> int:
+        return int(self.connection.xlen(self.keys.results))
+
+
+def _chunks(items: list, size: int):
+    it = iter(items)
+    while chunk := list(islice(it, size)):
+        yield chunk

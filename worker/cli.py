@@ -1,0 +1,81 @@
+"""`genq worker`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import click
+
+from genq.keys import Keys
+from genq.logs import setup_logging
+from genq.settings import connect, option, redis_options
+from worker.daemon import Worker, WorkerConfig
+
+
+@click.command("worker")
+@option("--server", required=True, help="Base URL of the SGLang server, e.g. http://127.0.0.1:30000.")
+@option("--concurrency", type=click.IntRange(min=1), default=128, help="Jobs in flight in this process.")
+@option(
+    "--max-attempts",
+    type=click.IntRange(min=1),
+    default=5,
+    help="/generate attempts per job, counted across workers.",
+)
+@option(
+    "--request-timeout",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Seconds per attempt; default 120 + max_new_tokens / 8.",
+)
+@option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    help="On SIGTERM, seconds to let in-flight jobs finish before putting them back.",
+)
+@option(
+    "--heartbeat-ttl",
+    type=click.IntRange(min=5),
+    default=60,
+    help="Seconds without a heartbeat after which a worker's jobs run elsewhere.",
+)
+@option(
+    "--stream-limit",
+    type=click.IntRange(min=1),
+    default=10_000,
+    help="Take no new jobs while the result stream holds this many entries.",
+)
+@option("--burst", is_flag=True, help="Exit once the queues are empty and nothing is in flight.")
+@option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
+@redis_options
+def worker_command(
+    server,
+    concurrency,
+    max_attempts,
+    request_timeout,
+    grace,
+    heartbeat_ttl,
+    stream_limit,
+    burst,
+    log_level,
+    redis_url,
+    namespace,
+):
+    """Run jobs of every dataset in the namespace against one inference server.
+
+    SIGTERM drains: no new jobs, in-flight ones finish (up to --grace), the rest go back to
+    the queue, exit 0. A second signal exits at once.
+    """
+    setup_logging(log_level)
+    config = WorkerConfig(
+        server=server,
+        concurrency=concurrency,
+        max_attempts=max_attempts,
+        request_timeout=request_timeout,
+        grace=grace,
+        burst=burst,
+        heartbeat_ttl=heartbeat_ttl,
+        stream_limit=stream_limit,
+    )
+    worker = Worker(connect(redis_url), Keys(namespace), config)
+    asyncio.run(worker.run())
