@@ -34,8 +34,26 @@ CONSUMER = "collector"
 LEASE_TTL_S = 15
 
 
+_DELETE_IF = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+
+
 class LeaseHeld(Exception):
     pass
+
+
+def _dead_local(holder: str) -> bool:
+    """Whether a lease holder ``host:pid:nonce`` is a process of this host that no longer runs."""
+    host, _, rest = holder.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 @dataclass
@@ -63,16 +81,21 @@ class Collector:
     # -- start-up ---------------------------------------------------------------------------
 
     def acquire_lease(self, wait_s: float = LEASE_TTL_S + 5) -> None:
-        """Decision 11: one collector per namespace. Waits out a dead holder's lease first."""
+        """Decision 11: one collector per namespace.
+
+        A holder that is a dead process on this host is replaced at once; any other holder's
+        lease is waited out (a dead remote collector's lease lapses within LEASE_TTL_S).
+        """
         deadline = time.monotonic() + wait_s
         while not self.conn.set(self.keys.collector_lease, self.lease_id, nx=True, ex=LEASE_TTL_S):
-            holder = self.conn.get(self.keys.collector_lease)
+            holder = (self.conn.get(self.keys.collector_lease) or b"").decode()
+            if holder and _dead_local(holder):
+                log.warning("collector %s died without releasing its lease: taking over", holder)
+                self.conn.eval(_DELETE_IF, 1, self.keys.collector_lease, holder)
+                continue
             if time.monotonic() > deadline:
-                raise LeaseHeld(
-                    f"another collector holds namespace {self.keys.namespace!r}: "
-                    f"{holder.decode() if holder else '?'}"
-                )
-            time.sleep(1)
+                raise LeaseHeld(f"another collector holds namespace {self.keys.namespace!r}: {holder or '?'}")
+            time.sleep(0.5)
         self._lease_renewed = time.monotonic()
 
     def renew_lease(self) -> None:
@@ -88,10 +111,7 @@ class Collector:
 
     def release_lease(self) -> None:
         self.conn.delete(self.keys.collector_ready)
-        script = (
-            "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
-        )
-        self.conn.eval(script, 1, self.keys.collector_lease, self.lease_id)
+        self.conn.eval(_DELETE_IF, 1, self.keys.collector_lease, self.lease_id)
 
     def start(self) -> None:
         self.acquire_lease()

@@ -30,7 +30,7 @@ def requeue_orphans(conn: redis.Redis, keys: Keys) -> int:
                 pipe.delete(f"rq:execution:{job_id}:{execution_id}", f"rq:executions:{job_id}")
                 if Job.exists(job_id, connection=conn):
                     job = Job.fetch(job_id, connection=conn, serializer="json")
-                    queue.enqueue_job(job, pipeline=pipe, at_front=True)
+                    queue._enqueue_job(job, pipeline=pipe, at_front=True)
                     count += 1
                 pipe.execute()
     return count

@@ -53,7 +53,8 @@ def start_sim(procs) -> Iterator:
     def start(*flags: str) -> str:
         proc = subprocess.Popen(
             [sys.executable, "-m", "genq", "sim-server", "--port", "0", *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
         )
         started.append(proc)
         return wait_for_line(proc, "sim-server listening on ", 30).rsplit(" ", 1)[1]

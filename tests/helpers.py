@@ -41,7 +41,9 @@ class Procs:
         self.logs = logs
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(
+        self, *args: str, name: str | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         log = self.logs / f"{name or args[0]}-{len(self.procs)}.log"
         with open(log, "wb") as fh:
             proc = subprocess.Popen(
@@ -51,7 +53,9 @@ class Procs:
         self.procs.append(proc)
         return proc
 
-    def run(self, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def run(
+        self, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         return subprocess.run(
             genq_argv(*args), env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout
         )
@@ -92,22 +96,30 @@ def read_jsonl(path: Path) -> list[dict]:
     return [orjson.loads(line) for line in data.splitlines() if line.strip()]
 
 
-def check_records(out: Path, dataset: str, prompts: list[list[int]], params: dict, samples: int = 1) -> list[dict]:
-    """DESIGN.md invariants on disk: each job exactly once, output_ids the server's for its prompt."""
+def check_records(
+    out: Path, dataset: str, prompts: list[list[int]], params: dict, samples: int = 1, **model: int
+) -> list[dict]:
+    """DESIGN.md invariants on disk: each job exactly once, output_ids the server's for its prompt.
+
+    ``model`` passes the simulator's --min-len/--max-len, when a test changed them.
+    """
     records = read_jsonl(out / dataset / "raw_responses.jsonl")
     ids = Counter(r["id"] for r in records)
     dupes = [i for i, c in ids.items() if c > 1]
     assert not dupes, f"duplicated ids: {dupes[:10]}"
     expected = {
-        (f"{dataset}-{row}-{k}" if samples > 1 else f"{dataset}-{row}") for row in range(len(prompts))
+        (f"{dataset}-{row}-{k}" if samples > 1 else f"{dataset}-{row}")
+        for row in range(len(prompts))
         for k in range(samples)
     }
-    assert set(ids) == expected, f"missing {sorted(expected - set(ids))[:10]}, extra {sorted(set(ids) - expected)[:10]}"
+    assert set(ids) == expected, (
+        f"missing {sorted(expected - set(ids))[:10]}, extra {sorted(set(ids) - expected)[:10]}"
+    )
     for r in records:
         p = dict(params)
         if samples > 1:
             p["sampling_seed"] = p.get("sampling_seed", 0) + r["sample"]
-        gen = generate(prompts[r["row"]], p)
+        gen = generate(prompts[r["row"]], p, **model)
         assert r["output_ids"] == gen.output_ids, f"{r['id']}: output_ids are not the server's for its prompt"
         assert r["completion_tokens"] == len(r["output_ids"])
         assert r["prompt_tokens"] == len(prompts[r["row"]])

@@ -193,7 +193,7 @@ class Bookkeeper(BaseWorker):
         with self.connection.pipeline() as pipe:
             for t in taken:
                 t.execution.delete(job=t.job, pipeline=pipe)
-                t.queue.enqueue_job(t.job, pipeline=pipe, at_front=True)
+                t.queue._enqueue_job(t.job, pipeline=pipe, at_front=True)
             self.set_current_job_id(None, pipeline=pipe)
             pipe.execute()
 
@@ -216,11 +216,13 @@ class Bookkeeper(BaseWorker):
         for queue in self.queues:
             worker_registration.clean_worker_registry(queue)
 
-    def queued_count(self) -> int:
+    def unfinished_count(self) -> int:
+        """Jobs queued or started anywhere: a dead worker's started jobs come back to the queue."""
         with self.connection.pipeline(transaction=False) as pipe:
             for q in self.queues:
                 pipe.llen(q.key)
                 pipe.llen(q.intermediate_queue_key)
+                pipe.zcard(q.started_job_registry.key)
             return sum(pipe.execute())
 
     def stream_length(self) -> int:

@@ -139,8 +139,8 @@ class Worker:
             if taken:
                 idle_polls = 0
                 continue
-            if self.config.burst and not self._in_flight and await self._queues_empty():
-                log.info("worker %s: burst: queues empty and nothing in flight", self.books.name)
+            if self.config.burst and not self._in_flight and await self._all_done():
+                log.info("worker %s: burst: nothing queued or in flight", self.books.name)
                 return
             idle_polls += 1
             if idle_polls % 20 == 0:
@@ -148,9 +148,11 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._slot_freed.wait(), timeout=0.25 if free > 0 else 5)
 
-    async def _queues_empty(self) -> bool:
+    async def _all_done(self) -> bool:
+        """--burst ends when nothing is queued and no worker has a job started (a dead one's
+        jobs come back once their heartbeat lapses, and this worker should be there to run them)."""
         await self.redis(self.books.refresh_queues)
-        return await self.redis(self.books.queued_count) == 0
+        return await self.redis(self.books.unfinished_count) == 0
 
     async def _stream_has_room(self) -> bool:
         """Decision 10: stop taking jobs while the collector is behind."""

@@ -1,0 +1,139 @@
+"""`sim-server`: run the simulator from a shell or a test.
+
+It prints one line, `sim-server listening on http://HOST:PORT`, once the socket is bound, so a
+parent process can read the URL (needed with --port 0). SIGTERM and SIGINT stop it with exit 0.
+Every option can also come from GENQ_SIM_<NAME>, e.g. GENQ_SIM_FAIL_500=0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import click
+from aiohttp import web
+
+from sim import model
+from sim.config import SimConfig
+from sim.faults import FaultRates
+from sim.server import make_app
+
+RATE = click.FloatRange(0.0, 1.0)
+
+
+def _option(flag: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A click option whose env var is GENQ_SIM_ plus the flag's name."""
+    envvar = "GENQ_SIM_" + flag.lstrip("-").replace("-", "_").upper()
+    return click.option(flag, envvar=envvar, show_envvar=True, show_default=True, **kwargs)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def _serve(config: SimConfig, host: str, port: int) -> None:
+    runner = web.AppRunner(
+        make_app(config), keepalive_timeout=config.keepalive_s, shutdown_timeout=2.0, access_log=None
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound_port = runner.addresses[0][1]
+        click.echo(f"sim-server listening on {_url(host, bound_port)}")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+@click.command("sim-server")
+@_option("--host", default="127.0.0.1", help="Address to bind.")
+@_option("--port", default=30000, type=click.IntRange(0, 65535), help="Port; 0 picks a free one.")
+@_option("--context-length", default=model.DEFAULT_CONTEXT_LENGTH, type=click.IntRange(2), help="Context.")
+@_option("--min-len", default=model.DEFAULT_MIN_LEN, type=click.IntRange(1), help="Shortest natural output.")
+@_option("--max-len", default=model.DEFAULT_MAX_LEN, type=click.IntRange(1), help="Longest natural output.")
+@_option("--latency", default="zero", type=click.Choice(["zero", "realistic"]), help="Latency model.")
+@_option("--decode-step-ms", default=20.0, type=click.FloatRange(0.0), help="One decode step, batch of 1.")
+@_option(
+    "--batch-knee",
+    default=64.0,
+    type=click.FloatRange(min=0.0, min_open=True),
+    help="Batch size that doubles a step.",
+)
+@_option(
+    "--prefill-per-token-us", default=50.0, type=click.FloatRange(0.0), help="Prefill cost per prompt token."
+)
+@_option(
+    "--tokens-per-tick",
+    default=8,
+    type=click.IntRange(1),
+    help="Decode steps the scheduler may take at once.",
+)
+@_option(
+    "--max-running-requests", default=256, type=click.IntRange(1), help="Batch slots; more requests queue."
+)
+@_option("--max-queued-requests", default=None, type=click.IntRange(0), help="Queue bound: 503 when full.")
+@_option("--fail-500", default=0.0, type=RATE, help="Rate of HTTP 500 answers.")
+@_option("--fail-503", default=0.0, type=RATE, help="Rate of HTTP 503 'The request queue is full.'.")
+@_option("--fail-429", default=0.0, type=RATE, help="Rate of HTTP 429 with Retry-After: 1.")
+@_option("--fail-reset", default=0.0, type=RATE, help="Rate of connections reset after generating.")
+@_option("--fail-hang", default=0.0, type=RATE, help="Rate of requests never answered.")
+@_option("--fail-abort", default=0.0, type=RATE, help="Rate of HTTP 200 answers with finish_reason abort.")
+@_option("--fail-truncate", default=0.0, type=RATE, help="Rate of bodies cut off halfway.")
+@_option("--seed", default=0, type=int, help="Seed of the fault RNG.")
+def sim_server(
+    host: str,
+    port: int,
+    context_length: int,
+    min_len: int,
+    max_len: int,
+    latency: str,
+    decode_step_ms: float,
+    batch_knee: float,
+    prefill_per_token_us: float,
+    tokens_per_tick: int,
+    max_running_requests: int,
+    max_queued_requests: int | None,
+    fail_500: float,
+    fail_503: float,
+    fail_429: float,
+    fail_reset: float,
+    fail_hang: float,
+    fail_abort: float,
+    fail_truncate: float,
+    seed: int,
+) -> None:
+    """Run a simulator of SGLang's native HTTP API (no GPU needed)."""
+    try:
+        faults = FaultRates(
+            error_500=fail_500,
+            error_503=fail_503,
+            error_429=fail_429,
+            reset=fail_reset,
+            hang=fail_hang,
+            abort=fail_abort,
+            truncate=fail_truncate,
+        )
+        config = SimConfig(
+            context_length=context_length,
+            min_len=min_len,
+            max_len=max_len,
+            latency=latency,
+            decode_step_s=decode_step_ms / 1000.0,
+            batch_knee=batch_knee,
+            prefill_per_token_s=prefill_per_token_us / 1e6,
+            tokens_per_tick=tokens_per_tick,
+            max_running_requests=max_running_requests,
+            max_queued_requests=max_queued_requests,
+            faults=faults,
+            seed=seed,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    asyncio.run(_serve(config, host, port))

@@ -1,0 +1,51 @@
+"""The simulator's settings, shared by make_app and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sim import model
+from sim.faults import FaultRates
+from sim.scheduler import LatencyParams
+
+
+@dataclass
+class SimConfig:
+    """Everything that shapes the simulated server; defaults suit tests (instant, no faults)."""
+
+    context_length: int = model.DEFAULT_CONTEXT_LENGTH
+    min_len: int = model.DEFAULT_MIN_LEN  # natural output length range of the toy model (EOS included)
+    max_len: int = model.DEFAULT_MAX_LEN
+    latency: str = "zero"  # "zero": answer at once; "realistic": continuous-batching model
+    decode_step_s: float = 0.020
+    batch_knee: float = 64.0
+    prefill_per_token_s: float = 50e-6
+    tokens_per_tick: int = 8
+    max_running_requests: int = 256
+    max_queued_requests: int | None = None  # as SGLang: unbounded unless set, then 503 when full
+    faults: FaultRates = field(default_factory=FaultRates)
+    seed: int | None = 0  # fault RNG seed
+    healthy: bool = True
+    keepalive_s: float = 5.0  # SGLang's uvicorn keep-alive: idle pooled connections die after 5 s
+    disconnect_check_s: float = 4.0  # like SGLang, a gone client is noticed only every few seconds
+    prefix_cache_entries: int = 10000  # prompts remembered for cached_tokens; 0 turns it off
+
+    def __post_init__(self) -> None:
+        if self.latency not in ("zero", "realistic"):
+            raise ValueError(f"latency must be 'zero' or 'realistic', got {self.latency!r}")
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(f"need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
+        if self.context_length < 2:
+            raise ValueError("context_length must be at least 2")
+        if self.batch_knee <= 0 or self.tokens_per_tick < 1 or self.max_running_requests < 1:
+            raise ValueError("batch_knee, tokens_per_tick and max_running_requests must be positive")
+
+    def latency_params(self) -> LatencyParams:
+        return LatencyParams(
+            decode_step_s=self.decode_step_s,
+            batch_knee=self.batch_knee,
+            prefill_per_token_s=self.prefill_per_token_s,
+            tokens_per_tick=self.tokens_per_tick,
+            max_running=self.max_running_requests,
+            max_queued=self.max_queued_requests,
+        )

@@ -1,0 +1,170 @@
+"""The simulator's deterministic "model": the same prompt and seed always give the same tokens.
+
+Tests import it to compute what the server must answer, with no server running. The output is a
+pure function of (input_ids, sampling_seed and the stop/length settings). temperature, top_p,
+top_k, min_p and the penalties do not change it: a toy model has no distribution to reshape, and a
+fixed answer is what tests need. json_schema, regex and ebnf are accepted but do not constrain it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+VOCAB_SIZE = 32000
+EOS_TOKEN_ID = 2
+FIRST_WORD_ID = 100  # ids below this are special tokens, as control tokens are in a real vocab
+DEFAULT_CONTEXT_LENGTH = 8192
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params has no max_new_tokens
+DEFAULT_MIN_LEN = 16
+DEFAULT_MAX_LEN = 512
+MODEL_PATH = "genq/sim-model"
+
+_WORD_TEXT = """
+    the of and to in is was for on that with as by at from it an be this which or are were but not
+    have had has one all their they there been more when will would who so if out up about into
+    than them can only other new some could time these two may then do first any my now such like
+    our over man me even most made after also did many before must through back years where much
+    your way well down should because each just those people how too little state good very make
+    world still own see men work long get here between both life being under never day same another
+    know while last might us great old year off come since against go came right used take three
+"""
+_WORDS = tuple(_WORD_TEXT.split())
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One finished generation, shaped like the fields SGLang returns for it."""
+
+    output_ids: list[int]  # untrimmed: includes the EOS or stop token that finish_reason names
+    text: str  # the completion only, with the matched stop trimmed
+    finish_reason: dict[str, Any]
+    completion_tokens: int
+
+
+@lru_cache(maxsize=65536)
+def _word_id(word: str) -> int:
+    digest = hashlib.blake2b(word.encode(), digest_size=8).digest()
+    return FIRST_WORD_ID + int.from_bytes(digest, "little") % (VOCAB_SIZE - FIRST_WORD_ID)
+
+
+def tokenize(text: str) -> list[int]:
+    """One token per whitespace-separated word; blake2b keeps ids stable across processes."""
+    return [_word_id(word) for word in text.split()]
+
+
+def _special_text(token_id: int) -> str:
+    return "</s>" if token_id == EOS_TOKEN_ID else f"<|special_{token_id}|>"
+
+
+def detokenize(ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+    """Deterministic words for ids; special ids (< 100) are dropped unless asked for."""
+    words = []
+    for token_id in ids:
+        if token_id >= FIRST_WORD_ID:
+            words.append(_WORDS[token_id % len(_WORDS)])
+        elif not skip_special_tokens:
+            words.append(_special_text(token_id))
+    return " ".join(words)
+
+
+def _stream_seed(input_ids: Sequence[int], sampling_seed: int | None) -> int:
+    """Hash the prompt (and seed) once; a Random seeded with it then yields every position cheaply."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(b"genq-sim-v1|")
+    digest.update(",".join(map(str, input_ids)).encode())
+    if sampling_seed is not None:
+        digest.update(b"|seed=%d" % int(sampling_seed))
+    return int.from_bytes(digest.digest(), "little")
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (str, int)):
+        return [value]
+    return list(value)
+
+
+def _trimmed_text(
+    output_ids: list[int], matched: int | str | None, params: Mapping[str, Any], text_so_far: str | None
+) -> str:
+    """SGLang's trim: a matched stop token or string leaves the text unless no_stop_trim is set."""
+    skip_special = bool(params.get("skip_special_tokens", True))
+    no_stop_trim = bool(params.get("no_stop_trim", False))
+    if isinstance(matched, str):
+        text = text_so_far if text_so_far is not None else detokenize(output_ids, skip_special)
+        if not no_stop_trim:
+            pos = text.find(matched)
+            text = text[:pos] if pos != -1 else text
+        return text
+    if isinstance(matched, int) and not no_stop_trim:
+        return detokenize(output_ids[:-1], skip_special)
+    return detokenize(output_ids, skip_special)
+
+
+def generate(
+    input_ids: Sequence[int],
+    sampling_params: Mapping[str, Any] | None = None,
+    *,
+    min_len: int = DEFAULT_MIN_LEN,
+    max_len: int = DEFAULT_MAX_LEN,
+) -> Generation:
+    """Generate the deterministic answer to input_ids.
+
+    The "natural" length (EOS included) is drawn in [min_len, max_len] from the prompt and
+    sampling_seed. Within max_new_tokens the output ends with EOS_TOKEN_ID (kept in output_ids, as
+    SGLang does) and finish_reason is {"type": "stop", "matched": 2}; otherwise it is cut at
+    max_new_tokens with {"type": "length", "length": n}. stop_token_ids, stop strings, ignore_eos,
+    min_new_tokens, no_stop_trim and skip_special_tokens act as in SGLang. A max_new_tokens of None
+    means the SGLang default (128); the server resolves it against the context before calling.
+    Token i depends only on (prompt, seed, i), so a shorter limit yields a prefix of a longer one.
+    """
+    params = sampling_params or {}
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    limit = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    limit = DEFAULT_MAX_NEW_TOKENS if limit is None else int(limit)
+    min_new = int(params.get("min_new_tokens") or 0)
+    ignore_eos = bool(params.get("ignore_eos", False))
+    stop_ids = {int(t) for t in _as_list(params.get("stop_token_ids")) if t is not None}
+    stop_strs = [s for s in _as_list(params.get("stop")) if s]
+
+    rng = random.Random(_stream_seed(input_ids, params.get("sampling_seed")))
+    eos_pos = max(rng.randint(min_len, max_len) - 1, min_new)
+    words = len(_WORDS)
+    output_ids: list[int] = []
+    text = "" if stop_strs else None  # built only when stop strings must be matched
+    max_stop_len = max(map(len, stop_strs), default=0)
+    matched: int | str | None = None
+    for pos in range(limit):
+        if pos == eos_pos and not ignore_eos:
+            output_ids.append(EOS_TOKEN_ID)
+            matched = EOS_TOKEN_ID
+            break
+        token = rng.randrange(FIRST_WORD_ID, VOCAB_SIZE)
+        output_ids.append(token)
+        if text is not None:
+            piece = _WORDS[token % words]
+            text = f"{text} {piece}" if text else piece
+        if pos < min_new:
+            continue
+        if token in stop_ids:
+            matched = token
+            break
+        if text is not None:
+            tail = text[-(len(piece) + max_stop_len + 1) :]
+            hit = next((s for s in stop_strs if s in tail), None)
+            if hit is not None:
+                matched = hit
+                break
+    if matched is None:
+        finish_reason: dict[str, Any] = {"type": "length", "length": limit}
+    else:
+        finish_reason = {"type": "stop", "matched": matched}
+    final_text = _trimmed_text(output_ids, matched, params, text if isinstance(matched, str) else None)
+    return Generation(output_ids, final_text, finish_reason, len(output_ids))

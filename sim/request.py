@@ -1,0 +1,238 @@
+"""Parsing and validating a /generate body with SGLang's rules and messages.
+
+A client that passes here passes the real server, and one that is rejected here is rejected
+there (with two stricter choices, noted where they are made).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from sim import model
+from sim.errors import validation_error, value_error
+
+# The fields of SGLang's SamplingParams; anything else is an error there.
+SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "stop",
+        "stop_token_ids",
+        "stop_regex",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "sampling_seed",
+        "n",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "min_new_tokens",
+        "logit_bias",
+        "custom_params",
+        "stream_interval",
+    }
+)
+
+
+class RequestError(Exception):
+    """A rejected request; `validation` picks the schema-error body over the ValueError one."""
+
+    def __init__(self, message: str, *, validation: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.validation = validation
+
+    def response(self) -> web.Response:
+        return validation_error(self.message) if self.validation else value_error(self.message)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """A validated request: prompt ids, sampling params with max_new_tokens resolved, and rid."""
+
+    rid: str | None
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling_params["max_new_tokens"]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """Decode JSON; a non-object is a schema error, as in FastAPI."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"JSON decode error: {exc}", validation=True) from exc
+    if not isinstance(body, dict):
+        raise RequestError("Input should be a valid dictionary or object", validation=True)
+    return body
+
+
+def check_rid(body: dict[str, Any]) -> str | None:
+    rid = body.get("rid")
+    if isinstance(rid, list):
+        raise RequestError("The simulator does not support batch requests (rid is a list).")
+    if rid is not None and not isinstance(rid, str):
+        raise RequestError("rid: Input should be a valid string", validation=True)
+    return rid
+
+
+def _prompt_ids(body: dict[str, Any]) -> list[int]:
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if body.get("input_embeds") is not None:
+        raise RequestError("The simulator does not support input_embeds.")
+    if text is None and input_ids is None:
+        raise RequestError("Either text, input_ids or input_embeds should be provided.")
+    if text is not None and input_ids is not None:
+        # Stricter than SGLang, which silently prefers input_ids: sending both is a client bug.
+        raise RequestError("Only one of text, input_ids or input_embeds should be provided.")
+    nested_ids = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+    if isinstance(text, list) or nested_ids:
+        raise RequestError("The simulator does not support batch requests (a list of prompts).")
+    if text is not None:
+        if not isinstance(text, str):
+            raise RequestError("text: Input should be a valid string", validation=True)
+        return model.tokenize(text)
+    if not isinstance(input_ids, list) or not all(_is_int(i) for i in input_ids):
+        raise RequestError("input_ids: Input should be a valid list of integers", validation=True)
+    if not input_ids:
+        raise RequestError("input_ids must not be empty.")
+    if any(i >= model.VOCAB_SIZE for i in input_ids):
+        raise RequestError(
+            f"The input_ids {input_ids} contains values greater than the vocab size ({model.VOCAB_SIZE})."
+        )
+    negative = next((i for i in input_ids if i < 0), None)
+    if negative is not None:
+        raise RequestError(f"The input_ids contain a negative token id ({negative}).")
+    return list(input_ids)
+
+
+def _check_types(params: dict[str, Any]) -> None:
+    for key in ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed"):
+        if params.get(key) is not None and not _is_int(params[key]):
+            raise RequestError(f"{key} must be an integer, got {params[key]!r}.")
+    floats = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+    for key in floats:
+        if params.get(key) is not None and not _is_number(params[key]):
+            raise RequestError(f"{key} must be a finite number, got {params[key]!r}.")
+    for key in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+        if params.get(key) is not None and not isinstance(params[key], bool):
+            raise RequestError(f"{key} must be a boolean, got {params[key]!r}.")
+    stop = params.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise RequestError(f"stop must be a string or a list of strings, got {stop!r}.")
+    stop_ids = params.get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):
+        raise RequestError(f"stop_token_ids must be a list of integers, got {stop_ids!r}.")
+
+
+def _verify(params: dict[str, Any]) -> None:
+    """SGLang's SamplingParams.verify checks and messages."""
+    temperature = params.get("temperature")
+    top_p, min_p, top_k = params.get("top_p"), params.get("min_p"), params.get("top_k")
+    if temperature is not None and temperature < 0.0:
+        raise RequestError(f"temperature must be a non-negative finite number, got {temperature}.")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}.")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise RequestError(f"min_p must be in [0, 1], got {min_p}.")
+    if top_k is not None and top_k < 1 and top_k != -1:
+        raise RequestError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if params.get(key) is not None and not -2.0 <= params[key] <= 2.0:
+            raise RequestError(f"{key} must be in [-2, 2], got {params[key]}.")
+    penalty = params.get("repetition_penalty")
+    if penalty is not None and not 0.0 < penalty <= 2.0:
+        raise RequestError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {penalty}.")
+    max_new, min_new = params.get("max_new_tokens"), params.get("min_new_tokens") or 0
+    if min_new < 0:
+        raise RequestError(f"min_new_tokens must be in [0, max_new_tokens], got {min_new}.")
+    if max_new is not None:
+        if max_new < 0:
+            raise RequestError(f"max_new_tokens must be at least 0, got {max_new}.")
+        if min_new > max_new:
+            raise RequestError(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.")
+    for token_id in params.get("logit_bias") or {}:
+        if not str(token_id).lstrip("-").isdigit() or not 0 <= int(token_id) < model.VOCAB_SIZE:
+            raise RequestError(f"logit_bias must has keys in [0, {model.VOCAB_SIZE - 1}], got {token_id}.")
+    if sum(params.get(k) is not None for k in ("json_schema", "regex", "ebnf")) > 1:
+        raise RequestError("Only one of regex, json_schema, or ebnf can be set.")
+    if params.get("n") not in (None, 1):
+        raise RequestError("The simulator does not support n > 1; send n separate requests.")
+
+
+def _sampling_params(body: dict[str, Any]) -> dict[str, Any]:
+    params = body.get("sampling_params")
+    if params is None:
+        return {}
+    if isinstance(params, list):
+        raise RequestError("The simulator does not support batch requests (sampling_params is a list).")
+    if not isinstance(params, dict):
+        raise RequestError("sampling_params: Input should be a valid dictionary", validation=True)
+    unknown = sorted(set(params) - SAMPLING_KEYS)
+    if unknown:
+        # SGLang's SamplingParams(**params) raises TypeError with this text. The real server lets that
+        # TypeError escape as a bare HTTP 500; the simulator answers 400, the honest status for it.
+        raise RequestError(f"Unexpected keyword argument '{unknown[0]}'")
+    _check_types(params)
+    _verify(params)
+    return dict(params)
+
+
+def _resolve_max_new_tokens(params: dict[str, Any], prompt_tokens: int, context_length: int) -> None:
+    """SGLang's context checks; an absent max_new_tokens is the default 128 clamped to the context."""
+    if prompt_tokens >= context_length:
+        raise RequestError(
+            f"The input ({prompt_tokens} tokens) is longer than the model's context length "
+            f"({context_length} tokens)."
+        )
+    requested = params.get("max_new_tokens")
+    if requested is None:
+        default = model.DEFAULT_MAX_NEW_TOKENS if "max_new_tokens" not in params else context_length
+        params["max_new_tokens"] = max(0, min(default, context_length - 1 - prompt_tokens))
+        return
+    total = prompt_tokens + requested
+    if total >= context_length:
+        raise RequestError(
+            f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+            f"You requested a total of {total} tokens: {prompt_tokens} tokens from the input messages and "
+            f"{requested} tokens for the completion. Please reduce the number of tokens in the input "
+            f"messages or the completion to fit within the limit."
+        )
+
+
+def parse_generate(body: dict[str, Any], *, context_length: int) -> GenerateRequest:
+    """Validate a decoded /generate body; raises RequestError with SGLang's message."""
+    rid = check_rid(body)
+    if body.get("stream"):
+        raise RequestError("The simulator does not support stream=true; use non-streamed /generate.")
+    input_ids = _prompt_ids(body)
+    params = _sampling_params(body)
+    _resolve_max_new_tokens(params, len(input_ids), context_length)
+    return GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params)

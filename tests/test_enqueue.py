@@ -1,0 +1,103 @@
+"""`genq enqueue`: idempotent, pipelined, every bad row named with file:line and why."""
+
+from __future__ import annotations
+
+import orjson
+from rq import Queue
+
+from genq.keys import Keys
+from tests.helpers import write_prompts
+
+
+def test_enqueue_twice_enqueues_nothing_new(procs, conn, namespace, tmp_path):
+    data = tmp_path / "d.jsonl"
+    write_prompts(data, 500)
+    first = procs.run("enqueue", data, "--max-new-tokens", "64")
+    assert first.returncode == 0, first.stderr
+    assert "read 500, enqueued 500, skipped 0, rejected 0" in first.stdout
+    second = procs.run("enqueue", data, "--max-new-tokens", "64")
+    assert second.returncode == 0, second.stderr
+    assert "enqueued 0, skipped 500" in second.stdout
+    queue = Queue(Keys(namespace).queue_name("d"), connection=conn, serializer="json")
+    assert queue.count == 500
+    job = queue.fetch_job("d-0")
+    assert job.kwargs["sampling_params"] == {"max_new_tokens": 64}
+    assert job.kwargs["source_id"] == "src-0"
+
+
+def test_appended_rows_are_enqueued_on_the_next_run(procs, conn, namespace, tmp_path):
+    data = tmp_path / "grow.jsonl"
+    write_prompts(data, 10)
+    assert "enqueued 10" in procs.run("enqueue", data).stdout
+    with data.open("ab") as fh:
+        fh.write(orjson.dumps({"prompt": "one more row"}) + b"\n")
+    assert "enqueued 1, skipped 10" in procs.run("enqueue", data).stdout
+
+
+def test_bad_rows_are_named_and_good_rows_go_through(procs, conn, namespace, tmp_path):
+    data = tmp_path / "mixed.jsonl"
+    lines = [
+        b'{"input_ids": [101, 102]}',
+        b"{not json",
+        b'{"prompt": ""}',
+        b'{"input_ids": [1, "x"]}',
+        b'{"text": "wrong field"}',
+        b"",
+        b'{"prompt": "hello world", "id": 7}',
+        b"[1, 2]",
+    ]
+    data.write_bytes(b"\n".join(lines) + b"\n")
+    res = procs.run("enqueue", data)
+    assert res.returncode == 0, res.stderr
+    assert "read 7, enqueued 2, skipped 0, rejected 5" in res.stdout
+    err = res.stderr
+    assert f"{data}:2: malformed JSON" in err
+    assert f"{data}:3: field 'prompt': expected a non-empty string" in err
+    assert f"{data}:4: field 'input_ids'[1]: expected a non-negative integer" in err
+    assert f"{data}:5: no prompt: expected field 'input_ids' or 'prompt' (fields present: text)" in err
+    assert f"{data}:8: expected a JSON object" in err
+    queue = Queue(Keys(namespace).queue_name("mixed"), connection=conn, serializer="json")
+    # Rows keep their position whatever is wrong around them: the text row is row 5.
+    assert sorted(queue.job_ids) == ["mixed-0", "mixed-5"]
+    assert queue.fetch_job("mixed-5").kwargs["text"] == "hello world"
+
+
+def test_samples_get_distinct_ids_and_seeds(procs, conn, namespace, tmp_path):
+    data = tmp_path / "s.jsonl"
+    write_prompts(data, 3)
+    res = procs.run("enqueue", data, "--samples", "4", "--seed", "10", "--temperature", "0.8")
+    assert "enqueued 12" in res.stdout, res.stderr
+    queue = Queue(Keys(namespace).queue_name("s"), connection=conn, serializer="json")
+    seeds = {queue.fetch_job(f"s-1-{k}").kwargs["sampling_params"]["sampling_seed"] for k in range(4)}
+    assert seeds == {10, 11, 12, 13}
+
+
+def test_other_settings_for_an_existing_dataset_are_refused(procs, tmp_path):
+    data = tmp_path / "fixed.jsonl"
+    write_prompts(data, 5)
+    assert procs.run("enqueue", data, "--max-new-tokens", "100").returncode == 0
+    res = procs.run("enqueue", data, "--max-new-tokens", "200")
+    assert res.returncode != 0
+    assert "was first enqueued with" in res.stderr
+    other = tmp_path / "other.jsonl"
+    write_prompts(other, 5)
+    res = procs.run("enqueue", other, "--dataset", "fixed", "--max-new-tokens", "100")
+    assert res.returncode != 0 and "would reuse their ids" in res.stderr
+
+
+def test_enqueue_script_and_env_settings(procs, tmp_path, redis_url, namespace):
+    """`enqueue` is the same command; GENQ_* variables set the flags."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "viaenv.jsonl"
+    write_prompts(data, 3)
+    res = subprocess.run(
+        [sys.executable, "-c", "from producer.cli import enqueue_main; enqueue_main()", str(data)],
+        env={**procs.env, "GENQ_MAX_NEW_TOKENS": "33"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "enqueued 3" in res.stdout

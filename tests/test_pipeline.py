@@ -1,0 +1,137 @@
+"""End to end on real Redis, real processes and the simulator over HTTP."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from tests.helpers import (
+    assert_adds_up,
+    check_records,
+    log_of,
+    read_jsonl,
+    sigkill,
+    status_json,
+    stop,
+    wait_until,
+    write_prompts,
+)
+
+PARAMS = {"max_new_tokens": 200}
+LONG = {"min_len": 1500, "max_len": 1600}  # matches the --min-len/--max-len below
+
+
+@pytest.mark.slow
+def test_thousand_prompts_two_workers_one_collector(procs, start_sim, out, tmp_path):
+    url = start_sim(
+        "--fail-500", "0.03", "--fail-reset", "0.01", "--fail-abort", "0.01", "--fail-truncate", "0.01"
+    )
+    data = tmp_path / "big.jsonl"
+    prompts = write_prompts(data, 1200)
+    assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
+    collector = procs.start("collect", "--out", out, "--burst")
+    workers = [procs.start("worker", "--server", url, "--burst", "--concurrency", "64") for _ in range(2)]
+    for w in workers:
+        assert w.wait(180) == 0, log_of(w)
+    assert collector.wait(120) == 0, log_of(collector)
+    records = check_records(out, "big", prompts, PARAMS)
+    assert len({r["worker"] for r in records}) == 2, "both workers took jobs"
+    assert any(r["attempts"] > 1 for r in records), "faults were injected: some records needed retries"
+    assert not read_jsonl(out / "big" / "errors.jsonl")
+    status = status_json(procs)
+    assert status["datasets"]["big"] == {
+        "total": 1200,
+        "queued": 0,
+        "in_flight": 0,
+        "retrying": 0,
+        "done": 1200,
+        "failed": 0,
+        "unaccounted": 0,
+    }
+    assert status["stream"]["length"] == 0
+
+
+def test_prompt_too_long_fails_at_once_with_the_servers_message(procs, start_sim, out, tmp_path):
+    url = start_sim("--context-length", "256")
+    data = tmp_path / "long.jsonl"
+    data.write_bytes(
+        orjson.dumps({"input_ids": [101] * 10}) + b"\n" + orjson.dumps({"input_ids": [101] * 200}) + b"\n"
+    )
+    assert procs.run("enqueue", data, "--max-new-tokens", "100").returncode == 0
+    worker = procs.start("worker", "--server", url, "--burst")
+    assert worker.wait(60) == 0, log_of(worker)
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    errors = read_jsonl(out / "long" / "errors.jsonl")
+    assert [e["id"] for e in errors] == ["long-1"]
+    assert errors[0]["error"] == "bad_request" and errors[0]["status"] == 400
+    assert errors[0]["attempts"] == 1, "a 400 is never retried"
+    assert "maximum context length of 256 tokens" in errors[0]["message"]
+    assert [r["id"] for r in read_jsonl(out / "long" / "raw_responses.jsonl")] == ["long-0"]
+    status = status_json(procs)["datasets"]["long"]
+    assert (status["done"], status["failed"], status["total"]) == (1, 1, 2)
+
+
+def test_collector_killed_mid_drain_loses_and_duplicates_nothing(
+    procs, start_sim, out, tmp_path, conn, namespace
+):
+    url = start_sim()
+    data = tmp_path / "k.jsonl"
+    prompts = write_prompts(data, 1500)
+    assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
+    worker = procs.start("worker", "--server", url, "--burst")
+    assert worker.wait(120) == 0, log_of(worker)
+    raw = out / "k" / "raw_responses.jsonl"
+    for _ in range(3):  # kill it three times while it writes, each time at another point
+        collector = procs.start("collect", "--out", out, "--batch", "50")
+        wait_until(lambda: raw.exists() and raw.stat().st_size > 0, 30, "the collector to write")
+        before = raw.stat().st_size
+        wait_until(lambda b=before: raw.stat().st_size > b, 30, "more lines")
+        sigkill(collector)
+    # A crash can also leave half a line behind.
+    with raw.open("ab") as fh:
+        fh.write(b'{"id": "k-torn", "dataset"')
+    collector = procs.start("collect", "--out", out, "--burst")
+    assert collector.wait(60) == 0, log_of(collector)
+    assert "cut a torn last line" in log_of(collector)
+    check_records(out, "k", prompts, PARAMS)
+    assert_adds_up(status_json(procs))
+
+
+def test_worker_sigterm_drains_and_puts_back_what_is_left(procs, start_sim, out, tmp_path):
+    # Realistic latency: 1,500-token outputs take several seconds, so jobs are in flight at SIGTERM.
+    url = start_sim(
+        "--latency", "realistic", "--min-len", "1500", "--max-len", "1600", "--decode-step-ms", "5"
+    )
+    data = tmp_path / "slow.jsonl"
+    prompts = write_prompts(data, 40)
+    assert procs.run("enqueue", data, "--max-new-tokens", "2000").returncode == 0
+    worker = procs.start("worker", "--server", url, "--concurrency", "16", "--grace", "1")
+    wait_until(lambda: status_json(procs)["datasets"]["slow"]["in_flight"] == 16, 30, "16 jobs in flight")
+    assert stop(worker, timeout=30) == 0, log_of(worker)
+    status = status_json(procs)["datasets"]["slow"]
+    assert status["in_flight"] == 0 and status["queued"] == 40, status
+    assert "put 16 jobs back" in log_of(worker)
+    # Everything still completes, once.
+    worker = procs.start("worker", "--server", url, "--burst", "--concurrency", "40")
+    assert worker.wait(120) == 0, log_of(worker)
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    check_records(out, "slow", prompts, {"max_new_tokens": 2000}, **LONG)
+
+
+def test_worker_sigkill_its_jobs_run_again_elsewhere(procs, start_sim, out, tmp_path):
+    url = start_sim(
+        "--latency", "realistic", "--min-len", "1500", "--max-len", "1600", "--decode-step-ms", "5"
+    )
+    data = tmp_path / "dead.jsonl"
+    prompts = write_prompts(data, 30)
+    assert procs.run("enqueue", data, "--max-new-tokens", "2000").returncode == 0
+    victim = procs.start("worker", "--server", url, "--concurrency", "10", "--heartbeat-ttl", "5")
+    wait_until(lambda: status_json(procs)["datasets"]["dead"]["in_flight"] == 10, 30, "10 jobs in flight")
+    sigkill(victim)
+    collector = procs.start("collect", "--out", out, "--burst")
+    survivor = procs.start(
+        "worker", "--server", url, "--burst", "--concurrency", "30", "--heartbeat-ttl", "5"
+    )
+    assert survivor.wait(180) == 0, log_of(survivor)
+    assert collector.wait(60) == 0, log_of(collector)
+    check_records(out, "dead", prompts, {"max_new_tokens": 2000}, **LONG)

@@ -1,0 +1,456 @@
+"""The SGLang simulator, driven as a real process over real HTTP.
+
+Each server runs as `python -m sim --port 0 ...` in a subprocess, as demos and load tests run it,
+so the CLI, the printed URL line and SIGTERM handling are tested too. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from sim import model
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 10.0
+
+
+@contextlib.contextmanager
+def running_sim(*flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Start the simulator, yield its base URL, then SIGTERM it and require a clean exit 0."""
+    with tempfile.TemporaryFile() as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sim", "--port", "0", *flags],
+            cwd=REPO_ROOT,
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        try:
+            yield _read_url(proc, stderr)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=STOP_TIMEOUT_S)
+                pytest.fail("sim-server did not stop within its timeout after SIGTERM")
+            assert proc.stdout is not None
+            proc.stdout.close()
+            stderr.seek(0)
+            assert code == 0, stderr.read().decode(errors="replace")
+
+
+def _read_url(proc: subprocess.Popen[str], stderr: Any) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
+    line = proc.stdout.readline() if ready else ""
+    prefix = "sim-server listening on "
+    if not line.startswith(prefix):
+        proc.kill()
+        proc.wait(timeout=STOP_TIMEOUT_S)
+        stderr.seek(0)
+        pytest.fail(f"no URL line from sim-server: {line!r}\n{stderr.read().decode(errors='replace')}")
+    return line[len(prefix) :].strip()
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    """One plain server (no latency, no faults) shared by the tests that only read from it."""
+    with running_sim() as url:
+        yield url
+
+
+@pytest.fixture
+def start_sim() -> Iterator[Any]:
+    """Start servers with given flags; all are stopped at the end of the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda *flags, env=None: stack.enter_context(running_sim(*flags, env=env))
+
+
+class Reply:
+    def __init__(self, status: int, body: bytes, headers: Any) -> None:
+        self.status, self.raw, self.headers = status, body, headers
+
+    @property
+    def json(self) -> Any:
+        return orjson.loads(self.raw)
+
+
+async def _request(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    body: Any = None,
+    timeout: float = REQUEST_TIMEOUT_S,
+) -> Reply:
+    data = None if body is None else orjson.dumps(body)
+    headers = {"Content-Type": "application/json"}
+    client_timeout = aiohttp.ClientTimeout(total=timeout)
+    async with session.request(method, url, data=data, headers=headers, timeout=client_timeout) as resp:
+        return Reply(resp.status, await resp.read(), resp.headers)
+
+
+def call(method: str, url: str, body: Any = None, timeout: float = REQUEST_TIMEOUT_S) -> Reply:
+    """One HTTP request on a fresh connection, bounded by `timeout`."""
+
+    async def go() -> Reply:
+        async with aiohttp.ClientSession() as session:
+            return await _request(session, method, url, body, timeout)
+
+    return asyncio.run(go())
+
+
+def generate(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> Reply:
+    return call("POST", f"{url}/generate", body, timeout)
+
+
+def wait_for_stat(url: str, key: str, value: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if call("GET", f"{url}/sim/stats").json[key] == value:
+            return
+        time.sleep(0.02)
+    pytest.fail(f"/sim/stats {key} did not reach {value} within {timeout} s")
+
+
+# --- the model, no server ---
+
+
+def test_model_is_deterministic_and_prefix_stable() -> None:
+    ids = model.tokenize("a prompt about the sea")
+    assert ids == model.tokenize("a  prompt about\tthe sea")
+    assert all(100 <= i < model.VOCAB_SIZE for i in ids)
+    full = model.generate(ids, {"max_new_tokens": 1000})
+    assert full == model.generate(ids, {"max_new_tokens": 1000})
+    assert 16 <= full.completion_tokens <= 512
+    assert full.output_ids[-1] == model.EOS_TOKEN_ID
+    assert full.finish_reason == {"type": "stop", "matched": model.EOS_TOKEN_ID}
+    assert full.text == model.detokenize(full.output_ids)
+    cut = model.generate(ids, {"max_new_tokens": 5})
+    assert cut.output_ids == full.output_ids[:5]
+    assert cut.finish_reason == {"type": "length", "length": 5}
+    seeded = model.generate(ids, {"max_new_tokens": 1000, "sampling_seed": 1})
+    assert seeded.output_ids != full.output_ids
+    assert model.generate(ids, {"max_new_tokens": 1000, "temperature": 0.0, "top_p": 0.5}) == full
+
+
+def test_model_stop_token_ids_ignore_eos_and_lengths() -> None:
+    ids = model.tokenize("stop here please")
+    full = model.generate(ids, {"max_new_tokens": 1000})
+    stop_id = full.output_ids[3]
+    stopped = model.generate(ids, {"max_new_tokens": 1000, "stop_token_ids": [stop_id]})
+    assert stopped.output_ids == full.output_ids[:4]
+    assert stopped.finish_reason == {"type": "stop", "matched": stop_id}
+    assert stopped.text == model.detokenize(full.output_ids[:3])
+    long = model.generate(ids, {"max_new_tokens": 700, "ignore_eos": True})
+    assert long.completion_tokens == 700 and model.EOS_TOKEN_ID not in long.output_ids
+    fixed = model.generate(ids, {"max_new_tokens": 100}, min_len=10, max_len=10)
+    assert fixed.completion_tokens == 10 and fixed.output_ids[-1] == model.EOS_TOKEN_ID
+
+
+# --- /generate on a plain server ---
+
+
+def test_output_equals_model_for_input_ids(base_url: str) -> None:
+    ids = list(range(1000, 1040))
+    params = {"max_new_tokens": 600, "sampling_seed": 7, "temperature": 0.7}
+    reply = generate(base_url, {"input_ids": ids, "sampling_params": params, "rid": "r-ids"})
+    assert reply.status == 200
+    expected = model.generate(ids, params)
+    body = reply.json
+    assert body["output_ids"] == expected.output_ids
+    assert body["text"] == expected.text
+    meta = body["meta_info"]
+    assert meta["id"] == "r-ids"
+    assert meta["finish_reason"] == expected.finish_reason
+    assert meta["prompt_tokens"] == len(ids)
+    assert meta["completion_tokens"] == expected.completion_tokens
+    assert {"cached_tokens", "e2e_latency"} <= set(meta)
+
+    short = generate(base_url, {"input_ids": ids, "sampling_params": {**params, "max_new_tokens": 4}})
+    assert short.json["output_ids"] == expected.output_ids[:4]
+    assert short.json["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert len(short.json["meta_info"]["id"]) == 32  # a uuid hex when no rid is given
+
+
+def test_text_prompt(base_url: str) -> None:
+    text = "Write a haiku about queues."
+    reply = generate(base_url, {"text": text, "sampling_params": {"max_new_tokens": 300}})
+    assert reply.status == 200
+    expected = model.generate(model.tokenize(text), {"max_new_tokens": 300})
+    assert reply.json["output_ids"] == expected.output_ids
+    assert reply.json["text"] == expected.text
+    assert reply.json["meta_info"]["prompt_tokens"] == len(model.tokenize(text))
+
+
+def test_default_max_new_tokens_is_128(base_url: str) -> None:
+    reply = generate(base_url, {"text": "long answer", "sampling_params": {"ignore_eos": True}})
+    assert reply.status == 200
+    assert reply.json["meta_info"]["completion_tokens"] == 128
+    assert reply.json["meta_info"]["finish_reason"] == {"type": "length", "length": 128}
+
+
+def test_unknown_sampling_key_is_400(base_url: str) -> None:
+    reply = generate(base_url, {"text": "hi", "sampling_params": {"max_tokens": 10}})
+    assert reply.status == 400
+    assert "max_tokens" in reply.json["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"sampling_params": {}},
+        {"text": "hi", "input_ids": [100, 101]},
+        {"input_ids": [100, model.VOCAB_SIZE]},
+        {"input_ids": [-1, 100]},
+        {"text": "hi", "sampling_params": {"top_p": 0.0}},
+    ],
+    ids=["no-prompt", "both-prompts", "id-too-big", "id-negative", "bad-top-p"],
+)
+def test_invalid_requests_are_400(base_url: str, body: dict[str, Any]) -> None:
+    reply = generate(base_url, body)
+    assert reply.status == 400
+    assert reply.json["error"]["message"]
+
+
+def test_context_overflow_is_400_with_sglang_message(base_url: str) -> None:
+    ids = [500] * 100
+    reply = generate(base_url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 8092}})
+    assert reply.status == 400
+    assert reply.json["error"]["message"] == (
+        "Requested token count exceeds the model's maximum context length of 8192 tokens. "
+        "You requested a total of 8192 tokens: 100 tokens from the input messages and 8092 tokens "
+        "for the completion. Please reduce the number of tokens in the input messages or the "
+        "completion to fit within the limit."
+    )
+    assert generate(base_url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 8091}}).status == 200
+
+
+def test_health_and_info_endpoints(base_url: str) -> None:
+    for path in ("/health", "/health_generate"):
+        reply = call("GET", base_url + path)
+        assert (reply.status, reply.raw) == (200, b"")
+    for path in ("/model_info", "/get_model_info"):
+        info = call("GET", base_url + path).json
+        assert info["model_path"] == model.MODEL_PATH
+        assert info["is_generation"] is True
+        assert "tokenizer_path" in info
+    for path in ("/server_info", "/get_server_info"):
+        info = call("GET", base_url + path).json
+        assert info["context_length"] == model.DEFAULT_CONTEXT_LENGTH
+        assert info["max_req_input_len"] == model.DEFAULT_CONTEXT_LENGTH - 1
+        assert info["model_path"] == model.MODEL_PATH
+        assert info["max_running_requests"] > 0
+        assert info["version"] == "sim"
+
+
+# --- health and fault switches ---
+
+
+def test_unhealthy_server_answers_503_until_it_recovers(start_sim: Any) -> None:
+    url = start_sim()
+    assert call("POST", f"{url}/sim/health", {"healthy": False}).status == 200
+    assert call("GET", f"{url}/health").status == 503
+    assert call("GET", f"{url}/health_generate").status == 503
+    assert generate(url, {"text": "hi"}).status == 503
+    assert call("POST", f"{url}/sim/health", {"healthy": True}).status == 200
+    assert call("GET", f"{url}/health").status == 200
+    assert generate(url, {"text": "hi"}).status == 200
+    assert call("GET", f"{url}/sim/stats").json["unhealthy"] == 1
+
+
+def test_fault_rates_change_at_run_time(start_sim: Any) -> None:
+    url = start_sim()
+    assert call("POST", f"{url}/sim/faults", {"error_500": 1.0}).json["error_500"] == 1.0
+    reply = generate(url, {"text": "hi"})
+    assert reply.status == 500
+    assert reply.json["message"] == "Internal server error (injected)"
+    call("POST", f"{url}/sim/faults", {"error_500": 0.0})
+    assert generate(url, {"text": "hi"}).status == 200
+    assert call("POST", f"{url}/sim/faults", {"bogus": 1.0}).status == 400
+
+
+@pytest.mark.parametrize(
+    ("flag", "status", "message"),
+    [
+        ("--fail-500", 500, "Internal server error (injected)"),
+        ("--fail-503", 503, "The request queue is full."),
+        ("--fail-429", 429, None),
+    ],
+)
+def test_error_faults(start_sim: Any, flag: str, status: int, message: str | None) -> None:
+    url = start_sim(flag, "1.0")
+    reply = generate(url, {"text": "hi"})
+    assert reply.status == status
+    assert reply.json["object"] == "error" and reply.json["code"] == status
+    if message is not None:
+        assert reply.json["message"] == message
+    if status == 429:
+        assert reply.headers["Retry-After"] == "1"
+    stats = call("GET", f"{url}/sim/stats").json
+    assert stats["generations"] == 0 and stats["completed"] == 0
+
+
+def test_fault_rate_from_environment(start_sim: Any) -> None:
+    url = start_sim(env={"GENQ_SIM_FAIL_429": "1.0"})
+    assert generate(url, {"text": "hi"}).status == 429
+
+
+def test_reset_fault_is_a_connection_error_after_the_work(start_sim: Any) -> None:
+    url = start_sim("--fail-reset", "1.0")
+    with pytest.raises(aiohttp.ClientConnectionError):
+        generate(url, {"text": "hi"})
+    stats = call("GET", f"{url}/sim/stats").json
+    assert stats["faults"]["reset"] == 1
+    assert stats["generations"] == 1 and stats["completed"] == 0
+
+
+def test_truncate_fault_is_a_payload_error(start_sim: Any) -> None:
+    url = start_sim("--fail-truncate", "1.0")
+    with pytest.raises(aiohttp.ClientPayloadError):
+        generate(url, {"text": "hi", "sampling_params": {"max_new_tokens": 50}})
+    stats = call("GET", f"{url}/sim/stats").json
+    assert stats["faults"]["truncate"] == 1
+    assert stats["generations"] == 1 and stats["completed"] == 0
+
+
+def test_abort_fault_is_http_200_with_abort_finish_reason(start_sim: Any) -> None:
+    url = start_sim("--fail-abort", "1.0")
+    reply = generate(url, {"text": "hi", "rid": "a1"})
+    assert reply.status == 200
+    assert reply.json["output_ids"] == []
+    assert reply.json["meta_info"]["id"] == "a1"
+    assert reply.json["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort (injected)"}
+
+
+def test_hang_fault_duplicate_rid_and_abort_request(start_sim: Any) -> None:
+    url = start_sim("--fail-hang", "1.0")
+    with pytest.raises(TimeoutError):
+        generate(url, {"text": "hi"}, timeout=0.3)
+
+    async def scenario() -> tuple[Reply, Reply]:
+        async with aiohttp.ClientSession() as session:
+            hanging = asyncio.create_task(
+                _request(session, "POST", f"{url}/generate", {"text": "x", "rid": "dup"})
+            )
+            for _ in range(250):
+                stats = await _request(session, "GET", f"{url}/sim/stats")
+                if stats.json["faults"]["hang"] == 2:
+                    break
+                await asyncio.sleep(0.02)
+            duplicate = await _request(session, "POST", f"{url}/generate", {"text": "y", "rid": "dup"})
+            assert not hanging.done()
+            aborted = await _request(
+                session, "POST", f"{url}/abort_request", {"rid": "dup", "abort_all": False}
+            )
+            assert aborted.status == 200
+            return duplicate, await asyncio.wait_for(hanging, REQUEST_TIMEOUT_S)
+
+    duplicate, hung = asyncio.run(scenario())
+    assert duplicate.status == 400
+    assert duplicate.json["error"]["message"] == "Duplicate request ID detected: dup"
+    assert hung.status == 200
+    assert hung.json["meta_info"]["finish_reason"]["type"] == "abort"
+    assert hung.json["output_ids"] == []
+    assert call("POST", f"{url}/abort_request", {"rid": "nobody", "abort_all": False}).status == 200
+
+
+# --- realistic latency ---
+
+
+def test_latency_grows_with_concurrency(start_sim: Any) -> None:
+    url = start_sim(
+        "--latency",
+        "realistic",
+        "--decode-step-ms",
+        "5",
+        "--batch-knee",
+        "16",
+        "--min-len",
+        "40",
+        "--max-len",
+        "40",
+    )
+
+    async def latencies(n: int) -> list[float]:
+        async with aiohttp.ClientSession() as session:
+            bodies = [
+                {"input_ids": [100 + i, 200], "sampling_params": {"max_new_tokens": 100}} for i in range(n)
+            ]
+            replies = await asyncio.gather(*(_request(session, "POST", f"{url}/generate", b) for b in bodies))
+        assert all(r.status == 200 and r.json["meta_info"]["completion_tokens"] == 40 for r in replies)
+        return [r.json["meta_info"]["e2e_latency"] for r in replies]
+
+    single = asyncio.run(latencies(1))[0]
+    crowded = statistics.median(asyncio.run(latencies(64)))
+    assert single >= 40 * 0.005
+    assert crowded / single > 1.5
+
+
+def test_abort_request_returns_partial_output(start_sim: Any) -> None:
+    url = start_sim("--latency", "realistic", "--decode-step-ms", "5")
+    params = {"max_new_tokens": 2000, "ignore_eos": True}
+
+    async def scenario() -> Reply:
+        async with aiohttp.ClientSession() as session:
+            body = {"text": "go on", "rid": "long", "sampling_params": params}
+            running = asyncio.create_task(_request(session, "POST", f"{url}/generate", body))
+            await asyncio.sleep(0.3)
+            await _request(session, "POST", f"{url}/abort_request", {"rid": "long"})
+            return await asyncio.wait_for(running, REQUEST_TIMEOUT_S)
+
+    reply = asyncio.run(scenario())
+    assert reply.status == 200
+    assert reply.json["meta_info"]["finish_reason"]["type"] == "abort"
+    partial = reply.json["output_ids"]
+    assert 0 < len(partial) < 2000
+    assert partial == model.generate(model.tokenize("go on"), params).output_ids[: len(partial)]
+
+
+def test_bounded_queue_answers_503_when_full(start_sim: Any) -> None:
+    url = start_sim(
+        "--latency",
+        "realistic",
+        "--decode-step-ms",
+        "5",
+        "--max-running-requests",
+        "1",
+        "--max-queued-requests",
+        "0",
+    )
+
+    async def scenario() -> tuple[Reply, Reply]:
+        async with aiohttp.ClientSession() as session:
+            body = {"text": "first", "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+            first = asyncio.create_task(_request(session, "POST", f"{url}/generate", body))
+            await asyncio.sleep(0.05)
+            second = await _request(session, "POST", f"{url}/generate", {"text": "second"})
+            return await asyncio.wait_for(first, REQUEST_TIMEOUT_S), second
+
+    first, second = asyncio.run(scenario())
+    assert first.status == 200
+    assert second.status == 503
+    assert second.json["message"] == "The request queue is full."
