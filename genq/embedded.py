@@ -6,13 +6,18 @@ command again: the queue, the bitmaps and the stream are all still there.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+
+from genq.processes import spawn
 
 
 def redis_binary() -> str:
@@ -48,8 +53,34 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def pidfile(self) -> Path:
+        return self.folder / "redis.pid"
+
+    def _stop_leftover(self, timeout: float = 15.0) -> None:
+        """A redis-server from a killed run may still be writing this folder's AOF: wait it out."""
+        try:
+            pid = int(self.pidfile.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return
+        if b"redis-server" not in cmdline:  # a stale pidfile, its pid reused by something else
+            return
+        deadline = time.monotonic() + timeout
+        sig = signal.SIGTERM
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                return
+            sig = 0
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
     def start(self, timeout: float = 20.0) -> str:
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._stop_leftover()
         args = [
             redis_binary(),
             "--port",
@@ -70,8 +101,13 @@ class EmbeddedRedis:
             "yes",
             "--logfile",
             str(self.folder / "redis.log"),
+            "--pidfile",
+            str(self.pidfile),
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # SIGTERM when its parent dies, even by SIGKILL: redis-server then syncs its AOF and exits.
+        self.proc = spawn(
+            args, death_signal=signal.SIGTERM, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         client = redis.Redis(port=self.port, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout
         while True:

@@ -1,0 +1,116 @@
+"""`genq run`: the whole pipeline in one command, on its private Redis, resumable after a kill."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import orjson
+
+from tests.helpers import check_records, read_jsonl, sigkill, wait_until, write_prompts
+
+
+def _run(data, out, *extra):
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "genq",
+            "run",
+            str(data),
+            "--out",
+            str(out),
+            "--simulate",
+            "--workers",
+            "2",
+            "--max-new-tokens",
+            "300",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_run_killed_and_rerun_finishes_without_duplicates(tmp_path, monkeypatch):
+    monkeypatch.delenv("GENQ_REDIS_URL", raising=False)
+    data = tmp_path / "resume.jsonl"
+    prompts = write_prompts(data, 400)
+    out = tmp_path / "out"
+    raw = out / "resume" / "raw_responses.jsonl"
+    first = _run(data, out, "--concurrency", "32")
+    try:
+        wait_until(lambda: len(read_jsonl(raw)) >= 60 if raw.exists() else False, 120, "some results on disk")
+        children = _children_of(first.pid)
+        assert len(children) >= 4, "redis, simulator, collector and workers run as children"
+        sigkill(first)
+    finally:
+        first.kill()
+    # Nothing outlives a killed run: redis-server shuts down, the rest is killed.
+    wait_until(lambda: not any(_alive(p) for p in children), 30, "the children of the killed run to exit")
+    partial = len(read_jsonl(raw))
+    assert partial < 400, "the kill came mid-run"
+
+    second = _run(data, out, "--concurrency", "64")
+    try:
+        stdout, stderr = second.communicate(timeout=240)
+    finally:
+        second.kill()
+    assert second.returncode == 0, stderr.decode()[-3000:]
+    assert "resume: 400 done, 0 failed of 400" in stdout.decode()
+    check_records(out, "resume", prompts, {"max_new_tokens": 300})
+
+    # A third run finds nothing to do and exits at once.
+    started = time.monotonic()
+    third = _run(data, out)
+    stdout, stderr = third.communicate(timeout=120)
+    assert third.returncode == 0, stderr.decode()[-3000:]
+    assert b"enqueued 0, skipped 400" in stdout + stderr
+    assert len(read_jsonl(raw)) == 400
+    assert time.monotonic() - started < 120
+
+
+def test_run_example_dataset_text_prompts(tmp_path, monkeypatch):
+    """The README's quick start, on the example that ships in the repo."""
+    from pathlib import Path
+
+    from sim.model import tokenize
+
+    monkeypatch.delenv("GENQ_REDIS_URL", raising=False)
+    example = Path(__file__).parent.parent / "examples" / "prompts.jsonl"
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "genq",
+            "run",
+            str(example),
+            "--out",
+            str(out),
+            "--simulate",
+            "--sim-latency",
+            "zero",
+        ],
+        capture_output=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    rows = [orjson.loads(line) for line in example.read_bytes().splitlines()]
+    prompts = [tokenize(r["prompt"]) for r in rows]
+    records = check_records(out, "prompts", prompts, {"max_new_tokens": 2048})
+    assert {r["source_id"] for r in records} == {r["id"] for r in rows}
