@@ -127,12 +127,15 @@ class Collector:
     def reconcile(self) -> None:
         """Cut torn lines and mark in Redis every id on disk past the last checkpoint."""
         for name in self._datasets():
-            for kind, filename in ((KIND_ERROR, ERRORS), (KIND_RECORD, RAW)):
-                path = self.out / name / filename
-                cut = cut_torn_tail(path)
-                if cut:
-                    log.warning("%s: cut a torn last line (%d bytes) left by a crash", path, cut)
-                self._reconcile_file(name, kind, path)
+            self._reconcile_dataset(name)
+
+    def _reconcile_dataset(self, name: str) -> None:
+        for kind, filename in ((KIND_ERROR, ERRORS), (KIND_RECORD, RAW)):
+            path = self.out / name / filename
+            cut = cut_torn_tail(path)
+            if cut:
+                log.warning("%s: cut a torn last line (%d bytes) left by a crash", path, cut)
+            self._reconcile_file(name, kind, path)
 
     def _reconcile_file(self, name: str, kind: bytes, path: Path) -> None:
         field = str(path)
@@ -193,7 +196,11 @@ class Collector:
         if not items:
             return 0
         if {i.data.get("dataset") for i in items} - set(self._settings):
-            self._datasets()
+            # A dataset enqueued after start-up may already have files here (a run resumed on
+            # a fresh Redis): what they hold must be marked before anything is appended.
+            known = set(self._settings)
+            for name in set(self._datasets()) - known:
+                self._reconcile_dataset(name)
         placed = []
         for item in items:
             name = item.data.get("dataset")
@@ -292,7 +299,7 @@ class Collector:
         """Jobs queued or in flight, plus entries in the stream (for --burst)."""
         total = int(self.conn.xlen(self.keys.results))
         with self.conn.pipeline(transaction=False) as pipe:
-            for name in self._datasets():
+            for name in datasets.load_all(self.conn, self.keys):
                 queue = Queue(self.keys.queue_name(name), connection=self.conn, serializer="json")
                 pipe.llen(queue.key)
                 pipe.llen(queue.intermediate_queue_key)

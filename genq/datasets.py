@@ -7,6 +7,7 @@ generation settings is refused unless the caller says so explicitly.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -30,6 +31,15 @@ class DatasetSettings:
 
 class SettingsMismatch(Exception):
     pass
+
+
+def settings_for(
+    name: str, paths: list[Path], sampling_params: dict[str, Any], samples: int
+) -> DatasetSettings:
+    """The settings an enqueue of ``paths`` as dataset ``name`` records."""
+    return DatasetSettings(
+        name=name, samples=samples, sampling_params=sampling_params, sources=[p.name for p in paths]
+    )
 
 
 def load_all(conn: redis.Redis, keys: Keys) -> dict[str, DatasetSettings]:

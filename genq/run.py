@@ -18,12 +18,13 @@ from pathlib import Path
 
 import click
 
+from genq import datasets
 from genq import status as status_mod
 from genq.embedded import EmbeddedRedis
-from genq.keys import Keys
+from genq.keys import Keys, validate_name
 from genq.orphans import requeue_orphans
 from genq.processes import genq_command, spawn, stop, wait_for_line
-from genq.sampling import sampling_argv, sampling_options
+from genq.sampling import sampling_argv, sampling_options, sampling_params
 from genq.settings import connect, option, redact, redis_options
 
 
@@ -111,10 +112,22 @@ def run_command(
             )
             children.append(sim)
             server = wait_for_line(sim, "sim-server listening on ", 30).rsplit(" ", 1)[1]
+        groups = [(dataset, list(files))] if dataset else [(f.stem, [f]) for f in files]
+        params = sampling_params(max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed)
+        for name, paths in groups:
+            try:
+                validate_name(name)
+            except ValueError as exc:
+                raise click.ClickException(f"{exc} (use --dataset NAME)") from exc
+            # Registered before the collector starts, so it marks what DIR already holds for
+            # them (a resumed run on a fresh Redis) before the enqueue asks what is done.
+            try:
+                datasets.register(conn, keys, datasets.settings_for(name, paths, params, samples))
+            except datasets.SettingsMismatch as exc:
+                raise click.ClickException(str(exc)) from exc
         collector = _start(genq_command("collect", "--out", str(out)), logs / "collector.log", env)
         children.append(collector)
         _wait_ready(conn, keys, collector, 60)
-        groups = [(dataset, list(files))] if dataset else [(f.stem, [f]) for f in files]
         sampling = sampling_argv(max_new_tokens, temperature, top_p, top_k, stop_token_ids, samples, seed)
         for name, paths in groups:
             result = subprocess.run(

@@ -122,11 +122,6 @@ def enqueue_files(
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file")
-    wanted = datasets.DatasetSettings(
-        name=dataset,
-        samples=samples,
-        sampling_params=sampling_params,
-        sources=[p.name for p in paths],
-    )
+    wanted = datasets.settings_for(dataset, paths, sampling_params, samples)
     settings = datasets.register(conn, keys, wanted, replace=replace_settings)
     return enqueue_rows(conn, keys, settings, read_files(paths))

@@ -135,3 +135,27 @@ def test_worker_sigkill_its_jobs_run_again_elsewhere(procs, start_sim, out, tmp_
     assert survivor.wait(180) == 0, log_of(survivor)
     assert collector.wait(60) == 0, log_of(collector)
     check_records(out, "dead", prompts, {"max_new_tokens": 2000}, **LONG)
+
+
+def test_collector_started_before_the_dataset_marks_its_files_before_writing(
+    procs, start_sim, out, tmp_path, redis_url
+):
+    """A dataset first seen mid-run whose folder already holds results (a wiped Redis, a new
+    namespace): the collector reads what is on disk before appending, so nothing is written twice."""
+    url = start_sim()
+    data = tmp_path / "seen.jsonl"
+    prompts = write_prompts(data, 200)
+    for namespace in ("before", "after"):
+        env = {"GENQ_NAMESPACE": namespace}
+        collector = procs.start("collect", "--out", out, env=env)
+        wait_until(lambda c=collector: "draining" in log_of(c), 30, "the collector to start")
+        assert procs.run("enqueue", data, "--max-new-tokens", "200", env=env).returncode == 0
+        assert procs.run("worker", "--server", url, "--burst", env=env).returncode == 0
+        wait_until(
+            lambda e=env: procs.run("status", "--json", env=e).stdout.count('"in_flight": 0') == 1,
+            60,
+            "the stream to drain",
+        )
+        assert stop(collector) == 0, log_of(collector)
+    assert "marked 200 ids found on disk" in log_of(collector)
+    check_records(out, "seen", prompts, PARAMS)

@@ -114,3 +114,36 @@ def test_run_example_dataset_text_prompts(tmp_path, monkeypatch):
     prompts = [tokenize(r["prompt"]) for r in rows]
     records = check_records(out, "prompts", prompts, {"max_new_tokens": 2048})
     assert {r["source_id"] for r in records} == {r["id"] for r in rows}
+
+
+def test_rerun_on_a_fresh_redis_runs_nothing_already_on_disk(tmp_path, redis_url):
+    """The files are the truth: a new namespace (or a wiped Redis) learns from them what is done."""
+    data = tmp_path / "again.jsonl"
+    prompts = write_prompts(data, 120)
+    out = tmp_path / "out"
+    for namespace, expect in (("first", b"enqueued 120, skipped 0"), ("second", b"enqueued 0, skipped 120")):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "genq",
+                "run",
+                str(data),
+                "--out",
+                str(out),
+                "--simulate",
+                "--sim-latency",
+                "zero",
+                "--max-new-tokens",
+                "300",
+                "--redis",
+                redis_url,
+                "--namespace",
+                namespace,
+            ],
+            capture_output=True,
+            timeout=180,
+        )
+        assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+        assert expect in proc.stdout + proc.stderr
+    check_records(out, "again", prompts, {"max_new_tokens": 300})

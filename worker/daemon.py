@@ -168,8 +168,15 @@ class Worker:
         return False
 
     def _job_done(self, task: asyncio.Task) -> None:
-        self._in_flight.pop(task, None)
+        taken = self._in_flight.pop(task, None)
         self._slot_freed.set()
+        if not task.cancelled() and task.exception() is not None and taken is not None:
+            # Its execution is no longer heartbeated: RQ puts the job back after the TTL.
+            log.error(
+                "job %s: unexpected error, it will run again after the heartbeat TTL",
+                taken.job.id,
+                exc_info=task.exception(),
+            )
 
     async def _drain(self) -> None:
         """Let in-flight jobs finish within the grace period; put the rest back at once."""

@@ -1,0 +1,282 @@
+"""End-to-end throughput of genq: producer -> Redis -> workers -> simulator -> collector -> JSONL.
+
+Run it from the repository root with the project's venv:
+
+    python bench/throughput.py            # full sizes, ~3-4 minutes on 2 cores
+    python bench/throughput.py --quick    # every N divided by 5
+    python bench/throughput.py --repeat 3 # each configuration 3 times, medians reported
+
+Every process is real (a private redis-server, `genq sim-server`, `genq worker`, `genq collect`),
+so the numbers include Redis round trips, HTTP and fsync. Small machines are noisy: compare the
+ratio column of one run rather than absolute numbers across runs. Results also go to
+bench/results/throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import redis
+from rich.console import Console
+from rich.table import Table
+
+from genq.embedded import EmbeddedRedis
+from genq.keys import Keys
+from genq.processes import genq_command, spawn, wait_for_line
+
+TIMEOUT_S = 300.0
+ZERO = ("--latency", "zero", "--min-len", "16", "--max-len", "128")
+REALISTIC = ("--latency", "realistic", "--min-len", "32", "--max-len", "256")
+console = Console(width=max(shutil.get_terminal_size().columns, 132))
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    sim_flags: tuple[str, ...]
+    workers: int
+    concurrency: int
+    jobs: int
+    max_new_tokens: int
+    baseline: str  # the row the ratio column divides by
+
+
+CONFIGS = [
+    Config("zero-1w", ZERO, 1, 128, 5000, 128, "zero-1w"),
+    Config("zero-2w", ZERO, 2, 128, 5000, 128, "zero-1w"),
+    Config("real-1w", REALISTIC, 1, 128, 1500, 256, "real-1w"),
+    Config("real-2w", REALISTIC, 2, 128, 1500, 256, "real-1w"),
+    Config("real-1w-c16", REALISTIC, 1, 16, 500, 256, "real-1w"),
+]
+
+
+def write_prompts(path: Path, n: int) -> None:
+    """Pre-tokenized prompts of 4..39 tokens, as tests/helpers.write_prompts makes them."""
+    with path.open("wb") as fh:
+        for i in range(n):
+            ids = [100 + (i * 7 + j * 13) % 30000 for j in range(4 + i % 36)]
+            fh.write(orjson.dumps({"id": f"src-{i}", "input_ids": ids}) + b"\n")
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime+stime of a running process; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def reap(procs: list[subprocess.Popen], deadline: float) -> dict[int, float]:
+    """Wait for every process, bounded; CPU seconds of each from os.wait4's rusage."""
+    cpu: dict[int, float] = {}
+    while len(cpu) < len(procs):
+        for p in procs:
+            if p.pid in cpu:
+                continue
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                p.returncode = os.waitstatus_to_exitcode(status)  # Popen must not wait again
+                cpu[p.pid] = ru.ru_utime + ru.ru_stime
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"processes still running after {TIMEOUT_S:.0f} s")
+        time.sleep(0.02)
+    return cpu
+
+
+def log_issues(logs: Path) -> list[str]:
+    """WARNING/ERROR/Traceback lines of every log of a run: they should be rare in a clean run."""
+    found = []
+    for log in sorted(logs.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if any(w in line for w in ("WARNING", "ERROR", "Traceback", "CRITICAL")):
+                found.append(f"{log.name}: {line.strip()[:200]}")
+    return found
+
+
+def run_once(cfg: Config, redis_url: str, work: Path, children: list[subprocess.Popen]) -> dict:
+    """One configuration end to end in a fresh namespace and simulator; its measurements."""
+    ns = f"bench-{cfg.name}-{uuid.uuid4().hex[:8]}"
+    run_dir = work / ns
+    logs, out = run_dir / "logs", run_dir / "out"
+    logs.mkdir(parents=True)
+    env = {"GENQ_REDIS_URL": redis_url, "GENQ_NAMESPACE": ns}
+
+    def start(name: str, *args: str) -> subprocess.Popen:
+        with open(logs / f"{name}.log", "wb") as fh:
+            proc = spawn(genq_command(*args), env=env, stdout=fh, stderr=subprocess.STDOUT)
+        children.append(proc)
+        return proc
+
+    with open(logs / "sim.log", "wb") as fh:
+        sim = spawn(
+            genq_command("sim-server", "--port", "0", *cfg.sim_flags), stdout=subprocess.PIPE, stderr=fh
+        )
+    children.append(sim)
+    server = wait_for_line(sim, "sim-server listening on ", 30).rsplit(" ", 1)[1]
+    prompts = run_dir / "prompts.jsonl"
+    write_prompts(prompts, cfg.jobs)
+    argv = genq_command(
+        "enqueue", str(prompts), "--dataset", "bench", "--max-new-tokens", str(cfg.max_new_tokens)
+    )
+    res = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=TIMEOUT_S)
+    if res.returncode != 0:
+        raise RuntimeError(f"enqueue failed ({res.returncode}): {res.stderr[-2000:]}")
+
+    # The collector's start-up (imports, lease, reconcile) is not part of the measured time.
+    collector = start("collector", "collect", "--out", str(out), "--burst")
+    conn, keys = redis.Redis.from_url(redis_url), Keys(ns)
+    deadline = time.monotonic() + 60
+    while (lease := conn.get(keys.collector_lease)) is None or lease != conn.get(keys.collector_ready):
+        if collector.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"collector not ready; see {logs / 'collector.log'}")
+        time.sleep(0.05)
+
+    sim_cpu0 = proc_cpu_s(sim.pid)
+    t0 = time.monotonic()
+    workers = [
+        start(f"worker-{i}", "worker", "--server", server, "--burst", "--concurrency", str(cfg.concurrency))
+        for i in range(cfg.workers)
+    ]
+    cpu = reap([*workers, collector], t0 + TIMEOUT_S)
+    wall = time.monotonic() - t0
+    sim_cpu = proc_cpu_s(sim.pid) - sim_cpu0
+    sim.kill()
+    sim.wait(10)
+    bad = {f"{p.args[3]}-{p.pid}": p.returncode for p in [*workers, collector] if p.returncode != 0}
+    if bad:
+        raise RuntimeError(f"non-zero exits {bad}; logs in {logs}")
+
+    raw = out / "bench" / "raw_responses.jsonl"
+    records = [orjson.loads(line) for line in raw.read_bytes().splitlines()] if raw.exists() else []
+    unique = len({r["id"] for r in records})
+    if len(records) != cfg.jobs or unique != cfg.jobs:
+        raise RuntimeError(f"{len(records)} lines, {unique} unique ids, expected {cfg.jobs}; see {out}")
+    tokens = sum(r["completion_tokens"] for r in records)
+    worker_cpu = sum(cpu[p.pid] for p in workers)
+    issues = log_issues(logs)
+    return {
+        "wall_s": wall,
+        "jobs_per_s": cfg.jobs / wall,
+        "completion_tok_per_s": tokens / wall,
+        "completion_tokens": tokens,
+        "worker_cpu_ms_per_job": 1000 * worker_cpu / cfg.jobs,
+        "collector_cpu_s": cpu[collector.pid],
+        "sim_cpu_s": sim_cpu,
+        "log_issues": len(issues),
+        "log_issue_sample": issues[:5],
+    }
+
+
+def summarize(cfg: Config, runs: list[dict]) -> dict:
+    """Median of each numeric measurement over the repeats."""
+    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float))]
+    med = {k: statistics.median(r[k] for r in runs) for k in keys}
+    return {"config": cfg.__dict__, "median": med, "runs": runs}
+
+
+def print_table(results: dict[str, dict]) -> None:
+    table = Table(
+        title="genq throughput (median over repeats)",
+        caption="ratio: jobs/s over zero-1w (zero-latency rows) or real-1w (realistic rows)",
+    )
+    cols = ("config", "workers", "concurrency", "jobs", "wall s", "jobs/s", "completion tok/s")
+    for col in (*cols, "worker CPU ms/job", "ratio"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for name, res in results.items():
+        cfg, m = res["config"], res["median"]
+        base = results.get(cfg["baseline"])
+        ratio = m["jobs_per_s"] / base["median"]["jobs_per_s"] if base else float("nan")
+        table.add_row(
+            name,
+            str(cfg["workers"]),
+            str(cfg["concurrency"]),
+            str(cfg["jobs"]),
+            f"{m['wall_s']:.2f}",
+            f"{m['jobs_per_s']:.1f}",
+            f"{m['completion_tok_per_s']:.0f}",
+            f"{m['worker_cpu_ms_per_job']:.2f}",
+            f"{ratio:.2f}x",
+        )
+    console.print(table)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="divide every N by 5")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per configuration; medians reported")
+    parser.add_argument("--keep", action="store_true", help="keep logs and outputs in the temp folder")
+    args = parser.parse_args()
+    configs = [Config(**{**c.__dict__, "jobs": c.jobs // 5}) if args.quick else c for c in CONFIGS]
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)  # so `finally` below also runs on SIGTERM
+    work = Path(tempfile.mkdtemp(prefix="genq-bench-"))
+    children: list[subprocess.Popen] = []
+    server = EmbeddedRedis(work / "redis")
+    runs: dict[str, list[dict]] = {c.name: [] for c in configs}
+    ok = False
+    try:
+        url = server.start()
+        # Round-robin over the repeats: slow drift of the machine hits every configuration alike.
+        for rep in range(args.repeat):
+            for cfg in configs:
+                console.print(f"[{rep + 1}/{args.repeat}] {cfg.name}: {cfg.jobs} jobs ...", end=" ")
+                res = run_once(cfg, url, work, children)
+                console.print(
+                    f"{res['wall_s']:.1f} s, {res['jobs_per_s']:.0f} jobs/s, {res['log_issues']} log issues"
+                )
+                for line in res["log_issue_sample"]:
+                    console.print(f"    [yellow]{line}[/yellow]")
+                runs[cfg.name].append(res)
+        ok = True
+    except KeyboardInterrupt:
+        console.print("\ninterrupted")
+        return 130
+    finally:
+        for proc in reversed(children):
+            if proc.returncode is None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        server.stop()
+        if ok and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            console.print(f"logs and outputs kept in {work}")
+
+    results = {c.name: summarize(c, runs[c.name]) for c in configs}
+    print_table(results)
+    dest = Path(__file__).resolve().parent / "results" / "throughput.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    machine = {
+        "nproc": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    meta = {"quick": args.quick, "repeat": args.repeat}
+    dest.write_text(json.dumps({"machine": machine, **meta, "results": results}, indent=2) + "\n")
+    console.print(f"wrote {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
