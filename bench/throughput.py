@@ -110,7 +110,11 @@ def log_issues(logs: Path) -> list[str]:
 
 def run_once(cfg: Config, redis_url: str, work: Path, children: list[subprocess.Popen]) -> dict:
     """One configuration end to end in a fresh namespace and simulator; its measurements."""
-    ns = f"bench-{cfg.name}-{uuid.uuid4().hex[:8]}"
+    # A unique dataset name too, not only a namespace: RQ job ids are "<dataset>-<row>" with no
+    # namespace, so a second run of dataset "bench" inherits the 60 s expiry of the previous
+    # run's finished job hashes and those jobs silently vanish (a genq bug).
+    dataset = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
+    ns = f"bench-{dataset}"
     run_dir = work / ns
     logs, out = run_dir / "logs", run_dir / "out"
     logs.mkdir(parents=True)
@@ -131,7 +135,7 @@ def run_once(cfg: Config, redis_url: str, work: Path, children: list[subprocess.
     prompts = run_dir / "prompts.jsonl"
     write_prompts(prompts, cfg.jobs)
     argv = genq_command(
-        "enqueue", str(prompts), "--dataset", "bench", "--max-new-tokens", str(cfg.max_new_tokens)
+        "enqueue", str(prompts), "--dataset", dataset, "--max-new-tokens", str(cfg.max_new_tokens)
     )
     res = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=TIMEOUT_S)
     if res.returncode != 0:
@@ -161,7 +165,7 @@ def run_once(cfg: Config, redis_url: str, work: Path, children: list[subprocess.
     if bad:
         raise RuntimeError(f"non-zero exits {bad}; logs in {logs}")
 
-    raw = out / "bench" / "raw_responses.jsonl"
+    raw = out / dataset / "raw_responses.jsonl"
     records = [orjson.loads(line) for line in raw.read_bytes().splitlines()] if raw.exists() else []
     unique = len({r["id"] for r in records})
     if len(records) != cfg.jobs or unique != cfg.jobs:

@@ -24,7 +24,7 @@ from genq.embedded import EmbeddedRedis
 from genq.keys import Keys, validate_name
 from genq.orphans import requeue_orphans
 from genq.processes import genq_command, spawn, stop, wait_for_line
-from genq.sampling import sampling_argv, sampling_options, sampling_params
+from genq.sampling import Sampling, sampling_options
 from genq.settings import connect, option, redact, redis_options
 
 
@@ -61,13 +61,7 @@ def run_command(
     workers,
     concurrency,
     dataset,
-    max_new_tokens,
-    temperature,
-    top_p,
-    top_k,
-    stop_token_ids,
-    samples,
-    seed,
+    sampling: Sampling,
     redis_url,
     namespace,
 ):
@@ -113,7 +107,6 @@ def run_command(
             children.append(sim)
             server = wait_for_line(sim, "sim-server listening on ", 30).rsplit(" ", 1)[1]
         groups = [(dataset, list(files))] if dataset else [(f.stem, [f]) for f in files]
-        params = sampling_params(max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed)
         for name, paths in groups:
             try:
                 validate_name(name)
@@ -122,16 +115,17 @@ def run_command(
             # Registered before the collector starts, so it marks what DIR already holds for
             # them (a resumed run on a fresh Redis) before the enqueue asks what is done.
             try:
-                datasets.register(conn, keys, datasets.settings_for(name, paths, params, samples))
+                datasets.register(
+                    conn, keys, datasets.settings_for(name, paths, sampling.params(), sampling.samples)
+                )
             except datasets.SettingsMismatch as exc:
                 raise click.ClickException(str(exc)) from exc
         collector = _start(genq_command("collect", "--out", str(out)), logs / "collector.log", env)
         children.append(collector)
         _wait_ready(conn, keys, collector, 60)
-        sampling = sampling_argv(max_new_tokens, temperature, top_p, top_k, stop_token_ids, samples, seed)
         for name, paths in groups:
             result = subprocess.run(
-                genq_command("enqueue", *map(str, paths), "--dataset", name, *sampling),
+                genq_command("enqueue", *map(str, paths), "--dataset", name, *sampling.argv()),
                 env={**os.environ, **env},
             )
             if result.returncode != 0:

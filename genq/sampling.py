@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
 import click
@@ -21,7 +23,49 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from exc
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling flags of one command line."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+    samples: int = 1
+    seed: int | None = None
+
+    def params(self) -> dict[str, Any]:
+        """SGLang sampling_params with only the keys the user set (max_new_tokens always)."""
+        params = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop_token_ids": self.stop_token_ids,
+            "sampling_seed": self.seed,
+        }
+        return {k: v for k, v in params.items() if v is not None}
+
+    def argv(self) -> list[str]:
+        """The same settings as command-line flags (for `genq run` to hand to `genq enqueue`)."""
+        out = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                flag = "--" + f.name.replace("_", "-")
+                out += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+        return out
+
+
 def sampling_options(func: Callable) -> Callable:
+    """Add the sampling flags; the command receives them as one ``sampling`` argument."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        values = {f.name: kwargs.pop(f.name) for f in fields(Sampling)}
+        return func(*args, sampling=Sampling(**values), **kwargs)
+
     decorators = [
         option(
             "--max-new-tokens",
@@ -39,41 +83,5 @@ def sampling_options(func: Callable) -> Callable:
         option("--seed", type=int, default=None, help="sampling_seed of sample 0 (sample k gets seed + k)."),
     ]
     for decorator in reversed(decorators):
-        func = decorator(func)
-    return func
-
-
-def sampling_params(
-    max_new_tokens: int,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    stop_token_ids: list[int] | None = None,
-    seed: int | None = None,
-) -> dict[str, Any]:
-    """SGLang sampling_params with only the keys the user set (max_new_tokens always)."""
-    params = {
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "stop_token_ids": stop_token_ids,
-        "sampling_seed": seed,
-    }
-    return {k: v for k, v in params.items() if v is not None}
-
-
-def sampling_argv(max_new_tokens, temperature, top_p, top_k, stop_token_ids, samples, seed) -> list[str]:
-    """The same settings as `genq enqueue` flags."""
-    argv = ["--max-new-tokens", str(max_new_tokens), "--samples", str(samples)]
-    for flag, value in (
-        ("--temperature", temperature),
-        ("--top-p", top_p),
-        ("--top-k", top_k),
-        ("--seed", seed),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
-    if stop_token_ids:
-        argv += ["--stop-token-ids", ",".join(map(str, stop_token_ids))]
-    return argv
+        wrapper = decorator(wrapper)
+    return wrapper

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import orjson
@@ -68,7 +68,8 @@ class JobSpec:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_kwargs(self) -> dict[str, Any]:
-        data = asdict(self)
+        # Not dataclasses.asdict: it deep-copies input_ids, a third of enqueue's time.
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
         return {k: v for k, v in data.items() if v is not None and v != {}}
 
     @classmethod

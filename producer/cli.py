@@ -9,7 +9,7 @@ import click
 
 from genq import datasets
 from genq.keys import Keys, validate_name
-from genq.sampling import sampling_options, sampling_params
+from genq.sampling import Sampling, sampling_options
 from genq.settings import connect, option, redis_options
 from producer.enqueue import Summary, enqueue_files
 
@@ -30,30 +30,18 @@ def dataset_name(dataset: str | None, files: tuple[Path, ...]) -> str:
 @sampling_options
 @option("--replace-settings", is_flag=True, help="Allow other sampling settings for an existing dataset.")
 @redis_options
-def enqueue_command(
-    files,
-    dataset,
-    max_new_tokens,
-    temperature,
-    top_p,
-    top_k,
-    stop_token_ids,
-    samples,
-    seed,
-    replace_settings,
-    redis_url,
-    namespace,
-):
+def enqueue_command(files, dataset, sampling: Sampling, replace_settings, redis_url, namespace):
     """Enqueue one job per prompt of FILES (JSONL rows with `input_ids` or `prompt`).
 
     Idempotent: rows already queued, in flight or on disk are skipped, so the same command can
     be run again safely. Rows are numbered across FILES in order: give the same files first.
     """
     name = dataset_name(dataset, files)
-    params = sampling_params(max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed)
     conn = connect(redis_url)
     try:
-        summary = enqueue_files(conn, Keys(namespace), list(files), name, params, samples, replace_settings)
+        summary = enqueue_files(
+            conn, Keys(namespace), list(files), name, sampling.params(), sampling.samples, replace_settings
+        )
     except datasets.SettingsMismatch as exc:
         raise click.ClickException(str(exc)) from exc
     print_summary(name, summary)
