@@ -2,14 +2,15 @@
 
 Run it from the repository root with the project's venv:
 
-    python bench/throughput.py            # full sizes, ~3-4 minutes on 2 cores
+    python bench/throughput.py            # full sizes, ~6-7 minutes on 2 cores
     python bench/throughput.py --quick    # every N divided by 5
     python bench/throughput.py --repeat 3 # each configuration 3 times, medians reported
 
 Every process is real (a private redis-server, `genq sim-server`, `genq worker`, `genq collect`),
 so the numbers include Redis round trips, HTTP and fsync. Small machines are noisy: compare the
-ratio column of one run rather than absolute numbers across runs. Results also go to
-bench/results/throughput.json.
+ratio column of one run rather than absolute numbers across runs. The realistic rows are bound by
+the simulator's latency model (a decode step of 20 ms * (1 + batch / 64)), the zero-latency rows
+by CPU. Results also go to bench/results/throughput.json.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
-import redis
+from redis import Redis
 from rich.console import Console
 from rich.table import Table
 
@@ -65,7 +66,7 @@ CONFIGS = [
 
 
 def write_prompts(path: Path, n: int) -> None:
-    """Pre-tokenized prompts of 4..39 tokens, as tests/helpers.write_prompts makes them."""
+    """Pre-tokenized prompts of 4..39 tokens, like tests/helpers.write_prompts: no tokenizer needed."""
     with path.open("wb") as fh:
         for i in range(n):
             ids = [100 + (i * 7 + j * 13) % 30000 for j in range(4 + i % 36)]
@@ -108,7 +109,7 @@ def log_issues(logs: Path) -> list[str]:
     return found
 
 
-def run_once(cfg: Config, redis_url: str, work: Path, children: list[subprocess.Popen]) -> dict:
+def run_once(cfg: Config, redis: EmbeddedRedis, work: Path, children: list[subprocess.Popen]) -> dict:
     """One configuration end to end in a fresh namespace and simulator; its measurements."""
     # A unique dataset name too, not only a namespace: RQ job ids are "<dataset>-<row>" with no
     # namespace, so a second run of dataset "bench" inherits the 60 s expiry of the previous
@@ -118,7 +119,7 @@ def run_once(cfg: Config, redis_url: str, work: Path, children: list[subprocess.
     run_dir = work / ns
     logs, out = run_dir / "logs", run_dir / "out"
     logs.mkdir(parents=True)
-    env = {"GENQ_REDIS_URL": redis_url, "GENQ_NAMESPACE": ns}
+    env = {"GENQ_REDIS_URL": redis.url, "GENQ_NAMESPACE": ns}
 
     def start(name: str, *args: str) -> subprocess.Popen:
         with open(logs / f"{name}.log", "wb") as fh:
@@ -143,14 +144,15 @@ def run_once(cfg: Config, redis_url: str, work: Path, children: list[subprocess.
 
     # The collector's start-up (imports, lease, reconcile) is not part of the measured time.
     collector = start("collector", "collect", "--out", str(out), "--burst")
-    conn, keys = redis.Redis.from_url(redis_url), Keys(ns)
+    conn, keys = Redis.from_url(redis.url), Keys(ns)
     deadline = time.monotonic() + 60
     while (lease := conn.get(keys.collector_lease)) is None or lease != conn.get(keys.collector_ready):
         if collector.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"collector not ready; see {logs / 'collector.log'}")
         time.sleep(0.05)
 
-    sim_cpu0 = proc_cpu_s(sim.pid)
+    assert redis.proc is not None
+    sim_cpu0, redis_cpu0 = proc_cpu_s(sim.pid), proc_cpu_s(redis.proc.pid)
     t0 = time.monotonic()
     workers = [
         start(f"worker-{i}", "worker", "--server", server, "--burst", "--concurrency", str(cfg.concurrency))
@@ -158,7 +160,7 @@ def run_once(cfg: Config, redis_url: str, work: Path, children: list[subprocess.
     ]
     cpu = reap([*workers, collector], t0 + TIMEOUT_S)
     wall = time.monotonic() - t0
-    sim_cpu = proc_cpu_s(sim.pid) - sim_cpu0
+    sim_cpu, redis_cpu = proc_cpu_s(sim.pid) - sim_cpu0, proc_cpu_s(redis.proc.pid) - redis_cpu0
     sim.kill()
     sim.wait(10)
     bad = {f"{p.args[3]}-{p.pid}": p.returncode for p in [*workers, collector] if p.returncode != 0}
@@ -181,6 +183,7 @@ def run_once(cfg: Config, redis_url: str, work: Path, children: list[subprocess.
         "worker_cpu_ms_per_job": 1000 * worker_cpu / cfg.jobs,
         "collector_cpu_s": cpu[collector.pid],
         "sim_cpu_s": sim_cpu,
+        "redis_cpu_s": redis_cpu,
         "log_issues": len(issues),
         "log_issue_sample": issues[:5],
     }
@@ -205,17 +208,10 @@ def print_table(results: dict[str, dict]) -> None:
         cfg, m = res["config"], res["median"]
         base = results.get(cfg["baseline"])
         ratio = m["jobs_per_s"] / base["median"]["jobs_per_s"] if base else float("nan")
-        table.add_row(
-            name,
-            str(cfg["workers"]),
-            str(cfg["concurrency"]),
-            str(cfg["jobs"]),
-            f"{m['wall_s']:.2f}",
-            f"{m['jobs_per_s']:.1f}",
-            f"{m['completion_tok_per_s']:.0f}",
-            f"{m['worker_cpu_ms_per_job']:.2f}",
-            f"{ratio:.2f}x",
-        )
+        counts = [str(cfg[k]) for k in ("workers", "concurrency", "jobs")]
+        rates = (f"{m['jobs_per_s']:.1f}", f"{m['completion_tok_per_s']:.0f}")
+        cpu = f"{m['worker_cpu_ms_per_job']:.2f}"
+        table.add_row(name, *counts, f"{m['wall_s']:.2f}", *rates, cpu, f"{ratio:.2f}x")
     console.print(table)
 
 
@@ -232,19 +228,21 @@ def main() -> int:
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupted)  # so `finally` below also runs on SIGTERM
+    # Explicitly, also SIGINT: a shell starts background jobs with SIGINT ignored.
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
     work = Path(tempfile.mkdtemp(prefix="genq-bench-"))
     children: list[subprocess.Popen] = []
     server = EmbeddedRedis(work / "redis")
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
     ok = False
     try:
-        url = server.start()
+        server.start()
         # Round-robin over the repeats: slow drift of the machine hits every configuration alike.
         for rep in range(args.repeat):
             for cfg in configs:
                 console.print(f"[{rep + 1}/{args.repeat}] {cfg.name}: {cfg.jobs} jobs ...", end=" ")
-                res = run_once(cfg, url, work, children)
+                res = run_once(cfg, server, work, children)
                 console.print(
                     f"{res['wall_s']:.1f} s, {res['jobs_per_s']:.0f} jobs/s, {res['log_issues']} log issues"
                 )

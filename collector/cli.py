@@ -6,18 +6,23 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import click
 import redis
 
-from collector.drain import Collector, LeaseHeld
+from collector.drain import Collector, LeaseHeld, WriteFailed
 from genq.keys import Keys
 from genq.logs import setup_logging
+from genq.maintenance import reap
 from genq.settings import connect, option, redis_options
 
 log = logging.getLogger("genq.collector")
+T = TypeVar("T")
 SWEEP_EVERY_S = 30.0
+REAP_EVERY_S = 15
 
 
 @click.command("collect")
@@ -28,17 +33,25 @@ SWEEP_EVERY_S = 30.0
     help="Output folder: OUT/<dataset>/raw_responses.jsonl and errors.jsonl.",
 )
 @option("--batch", type=click.IntRange(min=1), default=500, help="Stream entries per write and fsync.")
+@option(
+    "--give-up-after",
+    type=click.FloatRange(min=1),
+    default=600.0,
+    help="Exit non-zero when the disk has refused every write for this many seconds.",
+)
 @option("--burst", is_flag=True, help="Exit once queues, in-flight jobs and the stream are all empty.")
 @option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 @redis_options
-def collect_command(out, batch, burst, log_level, redis_url, namespace):
+def collect_command(out, batch, give_up_after, burst, log_level, redis_url, namespace):
     """Drain results into deduplicated JSONL: write, fsync, then acknowledge.
 
     One collector per namespace (a lease in Redis). SIGTERM finishes the batch in hand and exits 0.
+    A disk that refuses writes is retried with backoff (nothing is acknowledged meanwhile); after
+    --give-up-after seconds without progress the collector exits with status 3.
     """
     setup_logging(log_level)
     collector = Collector(connect(redis_url), Keys(namespace), out, batch=batch)
-    stop = []
+    stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
     try:
@@ -47,57 +60,76 @@ def collect_command(out, batch, burst, log_level, redis_url, namespace):
         raise click.ClickException(str(exc)) from exc
     log.info("collector %s: draining namespace %r into %s", collector.lease_id, namespace, out)
     try:
-        run(collector, burst, stop)
+        Loop(collector, stop, give_up_after).run(burst)
     except LeaseHeld as exc:
         log.error("%s", exc)
         sys.exit(2)
+    except WriteFailed as exc:
+        log.critical(
+            "%s; giving up after %.0f s without progress: nothing unwritten was acknowledged",
+            exc,
+            give_up_after,
+        )
+        sys.exit(3)
     finally:
         collector.close()
-    with_redis(collector.release_lease, stop=[])
+    Loop(collector, [], give_up_after).call(collector.release_lease)
     log.info(
         "collector: stopped (%d written, %d duplicates dropped)", collector.written, collector.duplicates
     )
 
 
-def run(collector: Collector, burst: bool, stop: list) -> None:
-    last_sweep = 0.0
-    while not stop:
+class Loop:
+    """The collector's main loop, riding out Redis restarts and a disk that refuses writes."""
 
-        def step() -> bool:
-            collector.renew_lease()
-            items = collector.read(block_ms=1000)
-            if items:
-                collector.write(items)
-                return True
-            return False
+    def __init__(self, collector: Collector, stop: list[int], give_up_after: float):
+        self.collector = collector
+        self.stop = stop
+        self.give_up_after = give_up_after
+        self._last_reap = 0.0
 
-        if with_redis(step, stop, recover=collector.reconcile):
-            continue
-        nothing_left = burst and with_redis(collector.work_left, stop) == 0
-        if nothing_left or time.monotonic() - last_sweep > SWEEP_EVERY_S:
-            with_redis(
-                lambda: collector.write(collector.failed_without_error()), stop, recover=collector.reconcile
-            )
-            last_sweep = time.monotonic()
-        if nothing_left and with_redis(collector.work_left, stop) == 0:
-            log.info("collector: burst: nothing queued, in flight or in the stream")
-            return
+    def run(self, burst: bool) -> None:
+        c = self.collector
+        last_sweep = 0.0
+        while not self.stop:
+            if self.call(self._step):
+                continue
+            if time.monotonic() - self._last_reap > REAP_EVERY_S:
+                self.call(lambda: reap(c.conn, c.keys, c.lease_id, REAP_EVERY_S))
+                self._last_reap = time.monotonic()
+            nothing_left = burst and self.call(c.work_left) == 0
+            if nothing_left or time.monotonic() - last_sweep > SWEEP_EVERY_S:
+                self.call(lambda: c.write(c.failed_without_error()))
+                last_sweep = time.monotonic()
+            if nothing_left and self.call(c.work_left) == 0:
+                log.info("collector: burst: nothing queued, in flight or in the stream")
+                return
 
+    def _step(self) -> bool:
+        self.collector.renew_lease()
+        items = self.collector.read(block_ms=1000)
+        if items:
+            self.collector.write(items)
+        return bool(items)
 
-def with_redis(fn, stop: list, recover=None):
-    """Call ``fn``, riding out Redis being unreachable. After a failure, ``recover`` runs first:
-    lines may be on disk whose ids did not get marked, and they must be before anything else."""
-    delay = 0.5
-    failed = False
-    while True:
-        try:
-            if failed and recover is not None:
-                recover()
-            return fn()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            if stop and failed:
-                raise
-            log.warning("Redis unreachable (%s); retrying in %.1f s", exc, delay)
-            failed = True
+    def call(self, fn: Callable[[], T]) -> T:
+        """Call ``fn`` until it works. After a failure the files are reconciled first: lines may
+        be on disk whose ids were not marked in Redis, and they must be before anything else."""
+        delay = 0.5
+        failing_since: float | None = None
+        while True:
+            try:
+                if failing_since is not None:
+                    self.collector.reconcile()
+                return fn()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if self.stop and failing_since is not None:
+                    raise
+                log.warning("Redis unreachable (%s); retrying in %.1f s", exc, delay)
+            except (WriteFailed, OSError) as exc:
+                log.error("%s; nothing of it was acknowledged, retrying in %.1f s", exc, delay)
+                if failing_since is not None and time.monotonic() - failing_since > self.give_up_after:
+                    raise
+            failing_since = failing_since if failing_since is not None else time.monotonic()
             time.sleep(delay)
             delay = min(delay * 2, 30.0)

@@ -8,6 +8,7 @@ stream entries for them are dropped as duplicates.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -39,6 +40,10 @@ _DELETE_IF = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('d
 
 class LeaseHeld(Exception):
     pass
+
+
+class WriteFailed(Exception):
+    """The disk refused a write or an fsync; nothing of the batch was acknowledged."""
 
 
 def _dead_local(holder: str) -> bool:
@@ -218,16 +223,23 @@ class Collector:
             bits = pipe.execute()
         seen: set[tuple[str, int]] = set()
         to_mark = []
-        for n, (item, name, index) in enumerate(placed):
-            done, failed = bits[2 * n], bits[2 * n + 1]
-            duplicate = (name, index) in seen or done or (item.kind == KIND_ERROR and failed)
-            if duplicate:
-                self.duplicates += 1
-                continue
-            seen.add((name, index))
-            self._file(name, item.kind).append(item.data)
-            to_mark.append((name, item.kind, index))
-        offsets = {str(f.path): f.sync() for f in self._files.values()}
+        duplicates = 0
+        try:
+            for n, (item, name, index) in enumerate(placed):
+                done, failed = bits[2 * n], bits[2 * n + 1]
+                if (name, index) in seen or done or (item.kind == KIND_ERROR and failed):
+                    duplicates += 1
+                    continue
+                seen.add((name, index))
+                self._file(name, item.kind).append(item.data)
+                to_mark.append((name, item.kind, index))
+            offsets = {str(f.path): f.sync() for f in self._files.values()}
+        except OSError as exc:
+            for f in self._files.values():
+                with contextlib.suppress(OSError):
+                    f.roll_back()
+            raise WriteFailed(f"writing to {self.out} failed: {exc}") from exc
+        self.duplicates += duplicates
         with self.conn.pipeline(transaction=True) as pipe:
             for name, kind, index in to_mark:
                 self._mark(pipe, name, kind, index)

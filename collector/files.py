@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,6 +67,7 @@ class Appender:
         if new:
             _fsync_dir(path.parent)
         self.dirty = False
+        self.synced_size = self._fh.tell()
 
     def append(self, obj: dict) -> None:
         self._fh.write(orjson.dumps(obj) + b"\n")
@@ -77,7 +79,17 @@ class Appender:
             self._fh.flush()
             os.fsync(self._fh.fileno())
             self.dirty = False
-        return self._fh.tell()
+            self.synced_size = self._fh.tell()
+        return self.synced_size
+
+    def roll_back(self) -> None:
+        """After a failed write: drop what was not synced, so no half line stays behind."""
+        with contextlib.suppress(OSError):  # the buffered bytes fail again: they are what we drop
+            self._fh.close()
+        with self.path.open("rb+") as fh:
+            fh.truncate(self.synced_size)
+        self._fh = self.path.open("ab")
+        self.dirty = False
 
     def close(self) -> None:
         self._fh.close()

@@ -125,7 +125,9 @@ def run_command(
         _wait_ready(conn, keys, collector, 60)
         for name, paths in groups:
             result = subprocess.run(
-                genq_command("enqueue", *map(str, paths), "--dataset", name, *sampling.argv()),
+                genq_command(
+                    "enqueue", *map(str, paths), "--dataset", name, "--server", server, *sampling.argv()
+                ),
                 env={**os.environ, **env},
             )
             if result.returncode != 0:

@@ -39,6 +39,10 @@ RECORD_FIELDS = (
 )
 ERROR_FIELDS = ("id", "dataset", "row", "sample", "error", "message", "status", "attempts", "failed_at")
 
+# How often RQ may requeue a job whose worker died (its abandoned-job handling) before failing
+# it. The real budget is the per-job attempt count workers keep in Redis (``--max-attempts``).
+ABANDON_REQUEUES = 10
+
 # Stream entry kinds.
 KIND_RECORD = b"record"
 KIND_ERROR = b"error"

@@ -11,6 +11,7 @@ from genq import datasets
 from genq.keys import Keys, validate_name
 from genq.sampling import Sampling, sampling_options
 from genq.settings import connect, option, redis_options
+from producer.context import context_length_of
 from producer.enqueue import Summary, enqueue_files
 
 
@@ -29,18 +30,39 @@ def dataset_name(dataset: str | None, files: tuple[Path, ...]) -> str:
 @option("--dataset", default=None, help="Dataset name (default: the first file's stem).")
 @sampling_options
 @option("--replace-settings", is_flag=True, help="Allow other sampling settings for an existing dataset.")
+@option(
+    "--context-length",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Reject prompts that cannot fit with --max-new-tokens (default: ask --server, if given).",
+)
+@option("--server", default=None, help="SGLang server to ask for its context length (/server_info).")
 @redis_options
-def enqueue_command(files, dataset, sampling: Sampling, replace_settings, redis_url, namespace):
+def enqueue_command(
+    files, dataset, sampling: Sampling, replace_settings, context_length, server, redis_url, namespace
+):
     """Enqueue one job per prompt of FILES (JSONL rows with `input_ids` or `prompt`).
 
     Idempotent: rows already queued, in flight or on disk are skipped, so the same command can
     be run again safely. Rows are numbered across FILES in order: give the same files first.
     """
     name = dataset_name(dataset, files)
+    if context_length is None and server:
+        try:
+            context_length = context_length_of(server)
+        except (OSError, ValueError) as exc:
+            raise click.ClickException(f"could not read the context length from {server}: {exc}") from exc
     conn = connect(redis_url)
     try:
         summary = enqueue_files(
-            conn, Keys(namespace), list(files), name, sampling.params(), sampling.samples, replace_settings
+            conn,
+            Keys(namespace),
+            list(files),
+            name,
+            sampling.params(),
+            sampling.samples,
+            replace_settings,
+            context_length,
         )
     except datasets.SettingsMismatch as exc:
         raise click.ClickException(str(exc)) from exc

@@ -18,14 +18,12 @@ from rq import Queue, Retry
 from genq import datasets
 from genq.bitmaps import is_set
 from genq.keys import Keys
-from genq.schema import JOB_FUNC, JobSpec, bit_index, job_id
+from genq.schema import ABANDON_REQUEUES, JOB_FUNC, JobSpec, bit_index, job_id
+from producer.context import check_fits
 from producer.readers import Rejected, Row, read_files
 
 BATCH = 1000
 RESULT_TTL_S = 60  # the record travels through the stream; RQ keeps only a tiny return value
-# How often RQ may requeue a job whose worker died (abandoned-job handling). The real budget is
-# the per-job attempt count the workers keep in Redis (``--max-attempts``).
-ABANDON_REQUEUES = 10
 
 
 @dataclass
@@ -49,8 +47,12 @@ def enqueue_rows(
     keys: Keys,
     settings: datasets.DatasetSettings,
     rows: Iterable[Row | Rejected],
+    context_length: int | None = None,
 ) -> Summary:
-    """Enqueue every usable row not already enqueued (or done), ``settings.samples`` jobs each."""
+    """Enqueue every usable row not already enqueued (or done), ``settings.samples`` jobs each.
+
+    With ``context_length``, rows whose prompt cannot fit with ``max_new_tokens`` are rejected.
+    """
     name, samples = settings.name, settings.samples
     known = conn.get(keys.enqueued(name)) or b""
     done = conn.get(keys.done(name)) or b""
@@ -59,6 +61,8 @@ def enqueue_rows(
     batch: list[tuple[int, Any]] = []
     for item in rows:
         summary.read += 1
+        if context_length is not None and isinstance(item, Row):
+            item = check_fits(item, int(settings.sampling_params["max_new_tokens"]), context_length)
         if isinstance(item, Rejected):
             summary.rejected.append(item)
             continue
@@ -117,6 +121,7 @@ def enqueue_files(
     sampling_params: dict[str, Any],
     samples: int,
     replace_settings: bool = False,
+    context_length: int | None = None,
 ) -> Summary:
     """Register the dataset's settings (decision 12), then enqueue its files."""
     for path in paths:
@@ -124,4 +129,4 @@ def enqueue_files(
             raise FileNotFoundError(f"{path}: no such file")
     wanted = datasets.settings_for(dataset, paths, sampling_params, samples)
     settings = datasets.register(conn, keys, wanted, replace=replace_settings)
-    return enqueue_rows(conn, keys, settings, read_files(paths))
+    return enqueue_rows(conn, keys, settings, read_files(paths), context_length)

@@ -23,12 +23,12 @@ import redis
 from rq import Queue, worker_registration
 from rq.executions import Execution
 from rq.job import Job
-from rq.registry import StartedJobRegistry
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
 from genq import datasets
 from genq.keys import Keys
+from genq.maintenance import reap
 from genq.schema import KIND_ERROR, KIND_RECORD, JobSpec, dumps
 
 log = logging.getLogger("genq.worker")
@@ -117,6 +117,11 @@ class Bookkeeper(BaseWorker):
                 pipe.lrem(queue.intermediate_queue_key, 1, job_id)
                 if job is None:  # deleted while queued: nothing to run
                     continue
+                if "unserialized" in job.meta:
+                    # `rq info` or rq-dashboard without the JSON serializer re-saved the meta as
+                    # pickle when it requeued the job; genq keeps nothing in meta, so drop it.
+                    job.meta = {}
+                    pipe.hset(job.key, "meta", job.serializer.dumps({}))
                 try:
                     spec = JobSpec.from_kwargs(job.kwargs)
                 except Exception as exc:  # noqa: BLE001 - a payload we cannot read fails, loudly
@@ -202,19 +207,8 @@ class Bookkeeper(BaseWorker):
 
     # -- maintenance ------------------------------------------------------------------------
 
-    def reap(self, lock_ttl: int) -> None:
-        """Requeue the jobs of dead workers (RQ's abandoned-job handling), one worker at a time.
-
-        RQ runs this only every ``maintenance_interval`` (10 min) or on ``rq info``; genq runs it
-        every few seconds so a killed worker's jobs come back within the heartbeat TTL.
-        """
-        if not self.connection.set(self.keys.maintenance_lock, self.name, nx=True, ex=lock_ttl):
-            return
-        for queue in self.queues:
-            StartedJobRegistry(queue=queue, serializer=self.serializer).cleanup()
-            queue.intermediate_queue.cleanup(self, queue)
-        for queue in self.queues:
-            worker_registration.clean_worker_registry(queue)
+    def reap(self, interval_s: int) -> None:
+        reap(self.connection, self.keys, self.name, interval_s)
 
     def unfinished_count(self) -> int:
         """Jobs queued or started anywhere: a dead worker's started jobs come back to the queue."""

@@ -62,7 +62,7 @@ class SGLangClient:
         except TimeoutError as exc:
             raise AttemptError("timeout", f"no response within {timeout:.0f} s") from exc
         except aiohttp.ClientConnectorError as exc:
-            raise AttemptError("connection", str(exc), unreached=True) from exc
+            raise AttemptError("connection", str(exc), unavailable=True) from exc
         except aiohttp.ClientPayloadError as exc:
             raise AttemptError("bad_response", f"truncated body: {exc}") from exc
         except aiohttp.ClientError as exc:

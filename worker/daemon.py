@@ -29,6 +29,7 @@ from worker.record import build_record
 
 log = logging.getLogger("genq.worker")
 T = TypeVar("T")
+HEALTH_EVERY_S = 10.0
 
 
 @dataclass
@@ -64,8 +65,9 @@ class Worker:
         self._slot_freed = asyncio.Event()
         self._server_up = asyncio.Event()
         self._server_up.set()
-        self._connection_failures = 0
+        self._server_failures = 0
         self._signals = 0
+        self._background: list[asyncio.Task] = []
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -113,12 +115,16 @@ class Worker:
         )
         async with SGLangClient(self.config.server, self.config.concurrency) as client:
             self.client = client
-            background = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._maintenance())]
+            self._background += [
+                asyncio.create_task(self._heartbeats()),
+                asyncio.create_task(self._maintenance()),
+                asyncio.create_task(self._watch_health()),
+            ]
             try:
                 await self._take_loop()
                 await self._drain()
             finally:
-                for task in background:
+                for task in self._background:
                     task.cancel()
                 await self.redis(self.books.stop)
         self._redis_thread.shutdown(wait=True)
@@ -226,9 +232,9 @@ class Worker:
                 if not exc.retryable:
                     await self._fail(t, exc, attempt)
                     return
-                if exc.unreached:
+                if exc.unavailable:
                     await self.redis(self.books.attempt, job_id, -1)
-                    await self._note_connection_failure()
+                    self._note_server_failure(f"{exc}")
                 failures += 1
                 delay = backoff(failures, self.config.backoff_base, self.config.backoff_cap, exc.retry_after)
                 log.info(
@@ -244,7 +250,7 @@ class Worker:
             except asyncio.CancelledError:
                 await self.client.abort(rid)
                 raise
-            self._connection_failures = 0
+            self._server_failures = 0
             record = build_record(
                 job_id,
                 spec,
@@ -275,22 +281,29 @@ class Worker:
         t.finishing = True
         await self.redis(self.books.fail, t, error)
 
-    async def _note_connection_failure(self) -> None:
-        """Decision 7: a server that is down gets probed, not fed jobs."""
-        self._connection_failures += 1
-        if self._connection_failures >= self.config.down_after and self._server_up.is_set():
+    def _note_server_failure(self, why: str) -> None:
+        """Decision 7: a server that is down gets probed, not fed jobs (nor burns their attempts)."""
+        self._server_failures += 1
+        if self._server_failures >= self.config.down_after and self._server_up.is_set():
             self._server_up.clear()
-            log.warning("server %s looks down; probing /health", self.config.server)
-            asyncio.create_task(self._probe_until_up())
+            log.warning("server %s looks down (%s); taking no jobs, probing /health", self.config.server, why)
+            self._background.append(asyncio.create_task(self._probe_until_up()))
 
     async def _probe_until_up(self) -> None:
         delay = 1.0
         while not await self.client.healthy():
             await asyncio.sleep(delay)
             delay = min(delay * 2, 30.0)
-        log.info("server %s is up again", self.config.server)
-        self._connection_failures = 0
+        log.info("server %s is up again; resuming", self.config.server)
+        self._server_failures = 0
         self._server_up.set()
+
+    async def _watch_health(self) -> None:
+        """Probe /health now and then, so a dead server is noticed even between requests."""
+        while True:
+            await asyncio.sleep(HEALTH_EVERY_S)
+            if self._server_up.is_set() and not await self.client.healthy():
+                self._note_server_failure("/health failed")
 
     # -- background -------------------------------------------------------------------------
 

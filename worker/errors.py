@@ -19,8 +19,9 @@ class AttemptError(Exception):
     status: int | None = None
     retryable: bool = True
     retry_after: float | None = None
-    # The request never reached the server (connection refused): it costs no attempt.
-    unreached: bool = False
+    # The server could not take the request (connection refused, 503): it costs no attempt,
+    # and enough of these in a row mean the server is down.
+    unavailable: bool = False
 
     def __str__(self) -> str:
         status = f" {self.status}" if self.status is not None else ""
@@ -36,6 +37,8 @@ def from_status(status: int, message: str, retry_after: float | None) -> Attempt
         return AttemptError("bad_request", message, status, retryable=False)
     if status == 429:
         return AttemptError("rate_limited", message, status, retry_after=retry_after)
+    if status == 503:
+        return AttemptError("unavailable", message, status, retry_after=retry_after, unavailable=True)
     if status >= 500:
         return AttemptError("server_error", message, status, retry_after=retry_after)
     return AttemptError("http_error", message, status, retry_after=retry_after)
