@@ -1,0 +1,261 @@
+"""Faults: server down or sick, hangs, poison prompts, retry budgets, Redis restarts, a full disk,
+and operators' tools run the wrong way. Each test checks the invariants on the files on disk."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import orjson
+import pytest
+
+from genq.embedded import EmbeddedRedis, free_port
+from tests.helpers import (
+    assert_adds_up,
+    check_records,
+    genq_argv,
+    log_of,
+    read_jsonl,
+    sigkill,
+    status_json,
+    wait_until,
+    write_prompts,
+)
+
+PARAMS = {"max_new_tokens": 200}
+RQ = str(Path(sys.executable).parent / "rq")
+
+
+def sim_post(url: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def sim_stats(url: str) -> dict:
+    with urllib.request.urlopen(url + "/sim/stats", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def test_server_down_sends_no_job_to_the_failed_list(procs, out, tmp_path):
+    """The server process dies and comes back on the same port; with only 2 attempts per job,
+    nothing fails: refused connections cost no attempt and the worker waits on /health."""
+    port = free_port()
+    sim_argv = [
+        *genq_argv("sim-server", "--port", str(port), "--latency", "realistic", "--decode-step-ms", "5")
+    ]
+    sim = subprocess.Popen(sim_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    data = tmp_path / "down.jsonl"
+    prompts = write_prompts(data, 300)
+    try:
+        wait_until(lambda: _up(url), 30, "the simulator")
+        assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
+        worker = procs.start(
+            "worker", "--server", url, "--burst", "--max-attempts", "2", "--concurrency", "32"
+        )
+        wait_until(
+            lambda: status_json(procs)["datasets"]["down"]["done"] + _in_stream(procs) > 20, 60, "progress"
+        )
+        sigkill(sim)
+        wait_until(lambda: "looks down" in log_of(worker), 30, "the worker to notice")
+        time.sleep(3)  # down for a while: the worker must keep its jobs, not fail them
+        assert status_json(procs)["datasets"]["down"]["failed"] == 0
+        sim = subprocess.Popen(sim_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert worker.wait(120) == 0, log_of(worker)
+        assert "is up again" in log_of(worker)
+    finally:
+        sim.kill()
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    check_records(out, "down", prompts, PARAMS)
+    assert not read_jsonl(out / "down" / "errors.jsonl")
+
+
+def test_sick_server_503s_pause_the_worker_until_health_returns(procs, start_sim, out, tmp_path):
+    url = start_sim()
+    data = tmp_path / "sick.jsonl"
+    prompts = write_prompts(data, 200)
+    sim_post(url, "/sim/health", {"healthy": False})
+    assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
+    worker = procs.start("worker", "--server", url, "--burst", "--max-attempts", "2")
+    wait_until(lambda: "looks down" in log_of(worker), 30, "the worker to notice")
+    time.sleep(2)
+    sim_post(url, "/sim/health", {"healthy": True})
+    assert worker.wait(120) == 0, log_of(worker)
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    check_records(out, "sick", prompts, PARAMS)
+
+
+def test_hung_requests_are_aborted_and_retried(procs, start_sim, out, tmp_path):
+    url = start_sim("--fail-hang", "1.0")
+    data = tmp_path / "hang.jsonl"
+    prompts = write_prompts(data, 40)
+    assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
+    worker = procs.start(
+        "worker", "--server", url, "--burst", "--request-timeout", "1", "--max-attempts", "10"
+    )
+    wait_until(lambda: sim_stats(url)["aborted"] >= 40, 60, "the first attempts to be given up and aborted")
+    sim_post(url, "/sim/faults", {"hang": 0.0})
+    assert worker.wait(120) == 0, log_of(worker)
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    records = check_records(out, "hang", prompts, PARAMS)
+    assert all(r["attempts"] >= 2 for r in records)
+    assert sim_stats(url)["in_flight"] == 0, "every hung request was aborted on the server"
+
+
+def test_too_long_prompts_are_rejected_at_enqueue_naming_the_row(procs, start_sim, tmp_path):
+    url = start_sim("--context-length", "512")
+    data = tmp_path / "ctx.jsonl"
+    rows = [{"input_ids": [101] * 100}, {"input_ids": [101] * 400}, {"prompt": "text is not counted"}]
+    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    res = procs.run("enqueue", data, "--max-new-tokens", "200", "--server", url)
+    assert res.returncode == 0, res.stderr
+    assert "enqueued 2, skipped 0, rejected 1" in res.stdout
+    assert f"{data}:2: field 'input_ids': 400 prompt tokens + max_new_tokens 200 do not fit" in res.stderr
+    res = procs.run(
+        "enqueue", data, "--dataset", "ctx2", "--max-new-tokens", "200", "--context-length", "4096"
+    )
+    assert "enqueued 3" in res.stdout
+
+
+def test_attempt_budget_then_failed_and_retry(procs, start_sim, out, tmp_path):
+    url = start_sim("--fail-500", "1.0")
+    data = tmp_path / "budget.jsonl"
+    prompts = write_prompts(data, 30)
+    assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
+    # Two workers share each job's budget of 3 attempts.
+    workers = [procs.start("worker", "--server", url, "--burst", "--max-attempts", "3") for _ in range(2)]
+    for w in workers:
+        assert w.wait(120) == 0, log_of(w)
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    errors = read_jsonl(out / "budget" / "errors.jsonl")
+    assert len(errors) == 30 and {e["attempts"] for e in errors} == {3}
+    assert {e["error"] for e in errors} == {"server_error"} and {e["status"] for e in errors} == {500}
+    assert status_json(procs)["datasets"]["budget"]["failed"] == 30
+
+    listing = procs.run("failed", "--json")
+    groups = orjson.loads(listing.stdout)["groups"]
+    assert [(g["error"], g["count"]) for g in groups] == [("server_error", 30)]
+    assert "Internal server error" in groups[0]["message"]
+
+    sim_post(url, "/sim/faults", {"error_500": 0.0})
+    assert procs.run("retry", "--reason", "no such reason").stdout.strip() == "retried 0"
+    assert procs.run("retry", "--reason", "server_error").stdout.strip() == "retried 30"
+    assert procs.run("retry", "--all").stdout.strip() == "retried 0", "retry is idempotent"
+    status = status_json(procs)["datasets"]["budget"]
+    assert (status["queued"], status["failed"]) == (30, 0)
+    worker = procs.start("worker", "--server", url, "--burst", "--max-attempts", "3")
+    assert worker.wait(120) == 0, log_of(worker)
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    check_records(out, "budget", prompts, PARAMS)
+    assert orjson.loads(procs.run("failed", "--json").stdout)["groups"] == []
+
+
+def test_redis_restart_every_role_carries_on(procs, start_sim, out, tmp_path):
+    """A Redis of its own (AOF on), restarted mid-run on the same port and folder."""
+    server = EmbeddedRedis(tmp_path / "redis")
+    url = server.start()
+    env = {"GENQ_REDIS_URL": url}
+    sim = start_sim("--latency", "realistic", "--decode-step-ms", "5")
+    data = tmp_path / "restart.jsonl"
+    prompts = write_prompts(data, 600)
+    try:
+        assert procs.run("enqueue", data, "--max-new-tokens", "200", env=env).returncode == 0
+        collector = procs.start("collect", "--out", out, "--burst", env=env)
+        worker = procs.start("worker", "--server", sim, "--burst", "--concurrency", "64", env=env)
+        raw = out / "restart" / "raw_responses.jsonl"
+        wait_until(lambda: raw.exists() and len(read_jsonl(raw)) > 100, 60, "progress")
+        server.stop()
+        time.sleep(2)
+        server = EmbeddedRedis(tmp_path / "redis", port=server.port)
+        server.start()
+        assert worker.wait(180) == 0, log_of(worker)
+        assert collector.wait(120) == 0, log_of(collector)
+        assert "Redis unreachable" in log_of(worker) + log_of(collector)
+        check_records(out, "restart", prompts, PARAMS)
+        assert_adds_up(status_json_env(procs, env))
+    finally:
+        server.stop()
+
+
+def status_json_env(procs, env: dict) -> dict:
+    res = procs.run("status", "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    return orjson.loads(res.stdout)
+
+
+def test_collector_on_a_full_disk_acknowledges_nothing_and_exits_nonzero(procs, start_sim, out, tmp_path):
+    url = start_sim()
+    data = tmp_path / "full.jsonl"
+    prompts = write_prompts(data, 300)
+    assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
+    worker = procs.start("worker", "--server", url, "--burst")
+    assert worker.wait(120) == 0, log_of(worker)
+
+    def small_disk() -> None:  # writes past 150 kB fail with EFBIG, as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, 150_000))
+
+    log = tmp_path / "full-collector.log"
+    with log.open("wb") as fh:
+        collector = subprocess.Popen(
+            genq_argv("collect", "--out", out, "--give-up-after", "3", "--batch", "10"),
+            env=procs.env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            preexec_fn=small_disk,
+        )
+    assert collector.wait(60) == 3, log.read_text()
+    text = log.read_text()
+    assert "nothing of it was acknowledged" in text and "giving up" in text
+    raw = out / "full" / "raw_responses.jsonl"
+    written = read_jsonl(raw)  # whole lines only, no torn one
+    assert 0 < len(written) < 300
+    status = status_json(procs)
+    assert status["datasets"]["full"]["done"] == len(written), "only what is on disk is marked done"
+    assert status["stream"]["length"] == 300 - len(written), "nothing unwritten was acknowledged"
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    check_records(out, "full", prompts, PARAMS)
+
+
+@pytest.mark.parametrize("serializer_flag", [(), ("-S", "json")])
+def test_rq_info_reaping_abandoned_jobs_loses_nothing(
+    procs, start_sim, out, tmp_path, redis_url, serializer_flag
+):
+    """`rq info` requeues a dead worker's jobs itself; without the JSON serializer it re-saves
+    their meta as pickle. The jobs must still run, once each."""
+    url = start_sim(
+        "--latency", "realistic", "--min-len", "1500", "--max-len", "1600", "--decode-step-ms", "5"
+    )
+    data = tmp_path / "reaped.jsonl"
+    prompts = write_prompts(data, 20)
+    assert procs.run("enqueue", data, "--max-new-tokens", "2000").returncode == 0
+    victim = procs.start("worker", "--server", url, "--concurrency", "10", "--heartbeat-ttl", "5")
+    wait_until(lambda: status_json(procs)["datasets"]["reaped"]["in_flight"] == 10, 30, "10 jobs in flight")
+    sigkill(victim)
+    time.sleep(6)  # past the heartbeat TTL: the jobs are abandoned, nobody has reaped them yet
+    info = subprocess.run(
+        [RQ, "info", "-u", redis_url, *serializer_flag], capture_output=True, text=True, timeout=60
+    )
+    assert info.returncode == 0, info.stderr
+    assert status_json(procs)["datasets"]["reaped"]["queued"] == 20, "rq info put the 10 back"
+    worker = procs.start("worker", "--server", url, "--burst", "--concurrency", "20")
+    assert worker.wait(120) == 0, log_of(worker)
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    check_records(out, "reaped", prompts, {"max_new_tokens": 2000}, min_len=1500, max_len=1600)
+
+
+def _up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def _in_stream(procs) -> int:
+    return status_json(procs)["stream"]["length"]
