@@ -70,3 +70,19 @@ def out(tmp_path) -> Path:
     path = tmp_path / "out"
     path.mkdir()
     return path
+
+
+REPORT: list[str] = []
+
+
+@pytest.fixture
+def report():
+    """Lines a test wants in the run's summary (measurements such as wasted GPU work)."""
+    return REPORT.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if REPORT:
+        terminalreporter.section("genq measurements")
+        for line in REPORT:
+            terminalreporter.write_line(line)

@@ -1,0 +1,180 @@
+"""The chaos test: thousands of prompts through faults and kills; then every invariant on disk.
+
+During one run: the simulator injects 5 % 500s, 1 % connection resets, 1 % HTTP-200 aborts,
+0.5 % truncated bodies and 0.3 % hangs; some prompts are too long for the context; workers are
+SIGKILLed twice and SIGTERMed once, the collector SIGKILLed twice, Redis SIGKILLed and restarted
+once (AOF on). Afterwards every normal prompt is in raw_responses.jsonl exactly once with the
+server's output_ids, every too-long one is in errors.jsonl with the server's reason, no line is
+torn, the stream is empty and `genq status` adds up.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import orjson
+import pytest
+import redis
+
+from genq import status as status_mod
+from genq.embedded import EmbeddedRedis
+from genq.keys import Keys
+from sim.model import generate
+from tests.helpers import Procs, log_of, read_jsonl, sigkill, stop, wait_until
+
+N = 3000
+TOO_LONG_EVERY = 50  # 60 of the 3,000 prompts cannot fit the context
+CONTEXT = 1024
+MAX_NEW = 200
+
+
+def _prompts() -> list[list[int]]:
+    prompts = []
+    for i in range(N):
+        length = 900 if i % TOO_LONG_EVERY == 7 else 4 + i % 60
+        prompts.append([100 + (i * 31 + j * 17) % 30000 for j in range(length)])
+    return prompts
+
+
+@pytest.mark.chaos
+def test_chaos(procs: Procs, start_sim, tmp_path, namespace, report):
+    server = EmbeddedRedis(tmp_path / "redis")
+    url = server.start()
+    env = {"GENQ_REDIS_URL": url}
+    out = tmp_path / "out"
+    sim = start_sim(
+        "--latency",
+        "realistic",
+        "--decode-step-ms",
+        "8",
+        "--min-len",
+        "16",
+        "--max-len",
+        "160",
+        "--context-length",
+        str(CONTEXT),
+        "--fail-500",
+        "0.05",
+        "--fail-reset",
+        "0.01",
+        "--fail-abort",
+        "0.01",
+        "--fail-truncate",
+        "0.005",
+        "--fail-hang",
+        "0.003",
+    )
+    prompts = _prompts()
+    data = tmp_path / "chaos.jsonl"
+    data.write_bytes(b"".join(orjson.dumps({"input_ids": p}) + b"\n" for p in prompts))
+    worker_args = (
+        "worker",
+        "--server",
+        sim,
+        "--concurrency",
+        "48",
+        "--heartbeat-ttl",
+        "5",
+        "--grace",
+        "3",
+        "--request-timeout",
+        "10",
+        "--max-attempts",
+        "8",
+    )
+    conn = redis.Redis.from_url(url)
+    keys = Keys(namespace)
+
+    def done() -> int:
+        try:
+            c = status_mod.dataset_counts(conn, keys).get("chaos")
+        except redis.ConnectionError:
+            return 0
+        return c["done"] + c["failed"] if c else 0
+
+    try:
+        assert procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), env=env).returncode == 0
+        collector = procs.start("collect", "--out", out, env=env)
+        workers = [procs.start(*worker_args, env=env) for _ in range(3)]
+
+        def at(fraction: float) -> None:
+            wait_until(lambda: done() >= fraction * N, 240, f"{fraction:.0%} on disk", interval=0.2)
+
+        at(0.10)
+        sigkill(workers[0])
+        workers[0] = procs.start(*worker_args, env=env)
+        at(0.20)
+        sigkill(collector)
+        collector = procs.start("collect", "--out", out, env=env)
+        at(0.30)
+        server.proc.kill()  # Redis dies hard; AOF brings it back
+        server.proc.wait()
+        time.sleep(1)
+        server = EmbeddedRedis(tmp_path / "redis", port=server.port)
+        server.start()
+        at(0.45)
+        assert stop(workers[1], timeout=30) == 0, log_of(workers[1])  # SIGTERM: drains
+        workers[1] = procs.start(*worker_args, env=env)
+        at(0.60)
+        sigkill(collector)
+        collector = procs.start("collect", "--out", out, env=env)
+        at(0.70)
+        sigkill(workers[2])
+        workers[2] = procs.start(*worker_args, env=env)
+        at(1.0)
+        for w in workers:
+            assert stop(w, timeout=60) == 0, log_of(w)
+        assert stop(collector, timeout=60) == 0, log_of(collector)
+    finally:
+        server_stats = _stats(sim)
+        final_status = procs.run("status", "--json", env=env)
+        server.stop()
+
+    # Invariants, on the files on disk.
+    too_long = {row for row, p in enumerate(prompts) if len(p) + MAX_NEW >= CONTEXT}
+    assert len(too_long) == N // TOO_LONG_EVERY
+    records = read_jsonl(out / "chaos" / "raw_responses.jsonl")
+    errors = read_jsonl(out / "chaos" / "errors.jsonl")
+    assert {e["row"] for e in errors} == too_long, "only the too-long prompts failed"
+    assert all(e["error"] == "bad_request" and "maximum context length" in e["message"] for e in errors)
+    assert len(errors) == len({e["id"] for e in errors})
+    normal = [p if row not in too_long else None for row, p in enumerate(prompts)]
+    _check_normal(out, normal)
+    status = orjson.loads(final_status.stdout)
+    c = status["datasets"]["chaos"]
+    assert (c["total"], c["done"], c["failed"], c["queued"], c["in_flight"]) == (
+        N,
+        N - len(too_long),
+        len(too_long),
+        0,
+        0,
+    )
+    assert status["stream"]["length"] == 0
+
+    sim = server_stats
+    wasted = sim["generations"] - len(records)
+    wasted_tokens = sim["tokens_generated"] - sum(r["completion_tokens"] for r in records)
+    report(
+        f"chaos: {N} prompts, {len(records)} records, {len(errors)} errors; the simulator finished "
+        f"{sim['generations']} generations: {wasted} ({wasted / len(records):.1%}) did not become "
+        f"the record; {wasted_tokens} of {sim['tokens_generated']} decode tokens "
+        f"({wasted_tokens / sim['tokens_generated']:.1%}) wasted; records that needed a retry: "
+        f"{sum(1 for r in records if r['attempts'] > 1)}"
+    )
+
+
+def _check_normal(out, normal: list[list[int] | None]) -> None:
+    """Each prompt that can fit exactly once, with the server's output_ids; the others not at all."""
+    rows = [i for i, p in enumerate(normal) if p is not None]
+    records = read_jsonl(out / "chaos" / "raw_responses.jsonl")
+    assert sorted(r["row"] for r in records) == rows, "each normal prompt exactly once"
+    for r in records:
+        expected = generate(normal[r["row"]], {"max_new_tokens": MAX_NEW}, min_len=16, max_len=160)
+        assert r["output_ids"] == expected.output_ids, r["id"]
+
+
+def _stats(url: str) -> dict:
+    with urllib.request.urlopen(url + "/sim/stats", timeout=10) as resp:
+        return json.loads(resp.read())
