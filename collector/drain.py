@@ -26,8 +26,9 @@ from rq.registry import FailedJobRegistry
 from collector.files import ERRORS, RAW, Appender, cut_torn_tail, scan
 from genq import datasets
 from genq.bitmaps import is_set
+from genq.failures import reason_of
 from genq.keys import Keys
-from genq.schema import KIND_ERROR, KIND_RECORD, bit_index, error_record, loads, parse_job_id
+from genq.schema import KIND_ERROR, KIND_RECORD, bit_index, error_record, loads, parse_record_id
 
 log = logging.getLogger("genq.collector")
 
@@ -276,30 +277,31 @@ class Collector:
             done = self.conn.get(self.keys.done(name)) or b""
             failed = self.conn.get(self.keys.failed(name)) or b""
             for job_id in ids:
-                parsed = parse_job_id(job_id, name, settings.samples)
+                rid = self.keys.record_id(job_id)
+                parsed = parse_record_id(rid, name, settings.samples) if rid else None
                 if parsed is None:
                     continue
                 index = bit_index(*parsed, settings.samples)
                 if is_set(done, index) or is_set(failed, index):
                     continue
-                items.append(Item(KIND_ERROR, self._abandoned_error(job_id, name, *parsed), None))
+                items.append(Item(KIND_ERROR, self._error_of_failed(job_id, rid, name, *parsed), None))
         return items
 
-    def _abandoned_error(self, job_id: str, name: str, row: int, sample: int) -> dict:
-        message = "RQ moved the job to its failed registry"
+    def _error_of_failed(self, job_id: str, rid: str, name: str, row: int, sample: int) -> dict:
+        exc_string = None
         try:
             result = Job.fetch(job_id, connection=self.conn, serializer="json").latest_result()
-            if result is not None and result.exc_string:
-                message = result.exc_string.strip().splitlines()[-1]
+            exc_string = result.exc_string if result is not None else None
         except Exception as exc:  # noqa: BLE001 - the reason is a nicety; the error line is not
             log.debug("job %s: could not read its failure (%s)", job_id, exc)
+        error, message = reason_of(exc_string)
         attempts = self.conn.hget(self.keys.attempts, job_id)
         return error_record(
-            id=job_id,
+            id=rid,
             dataset=name,
             row=row,
             sample=sample,
-            error="abandoned",
+            error=error,
             message=message,
             status=None,
             attempts=int(attempts) if attempts is not None else None,

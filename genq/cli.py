@@ -54,10 +54,7 @@ def failed_command(dataset: str | None, as_json: bool, redis_url: str, namespace
     """Terminal failures, grouped by reason (error class and the server's message)."""
     groups = failures.group(failures.failures(connect(redis_url), Keys(namespace), dataset))
     if as_json:
-        data = [
-            {"error": g.error, "message": g.message, "count": len(g.job_ids), "job_ids": g.job_ids}
-            for g in groups
-        ]
+        data = [{"error": g.error, "message": g.message, "count": len(g.ids), "ids": g.ids} for g in groups]
         click.echo(orjson.dumps({"groups": data}, option=orjson.OPT_INDENT_2).decode())
         return
     if not groups:
@@ -67,7 +64,7 @@ def failed_command(dataset: str | None, as_json: bool, redis_url: str, namespace
     for col in ("count", "error", "message", "e.g."):
         table.add_column(col, justify="right" if col == "count" else "left", overflow="fold")
     for g in groups:
-        table.add_row(str(len(g.job_ids)), g.error, g.message, ", ".join(g.job_ids[:3]))
+        table.add_row(str(len(g.ids)), g.error, g.message, ", ".join(g.ids[:3]))
     Console().print(table)
 
 

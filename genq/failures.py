@@ -20,14 +20,15 @@ from rq.registry import FailedJobRegistry
 from genq import datasets
 from genq.bitmaps import is_set
 from genq.keys import Keys
-from genq.schema import ABANDON_REQUEUES, bit_index, parse_job_id
+from genq.schema import ABANDON_REQUEUES, bit_index, parse_record_id
 
 CLASS_RE = re.compile(r"^([a-z_]+): (.*)$", re.S)
 
 
 @dataclass
 class Failure:
-    job_id: str
+    job_id: str  # RQ's
+    id: str  # the record id, as in errors.jsonl
     dataset: str
     error: str
     message: str
@@ -38,7 +39,7 @@ class Failure:
 class Group:
     error: str
     message: str
-    job_ids: list[str] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
 
 
 def reason_of(exc_string: str | None) -> tuple[str, str]:
@@ -64,9 +65,10 @@ def failures(conn: redis.Redis, keys: Keys, dataset: str | None = None) -> list[
         for job_id, job in zip(ids, Job.fetch_many(ids, conn, serializer="json"), strict=True):
             result = job.latest_result() if job is not None else None
             error, message = reason_of(result.exc_string if result is not None else None)
-            parsed = parse_job_id(job_id, name, settings.samples)
+            rid = keys.record_id(job_id) or job_id
+            parsed = parse_record_id(rid, name, settings.samples)
             on_disk = parsed is not None and is_set(failed_bits, bit_index(*parsed, settings.samples))
-            out.append(Failure(job_id, name, error, message, on_disk))
+            out.append(Failure(job_id, rid, name, error, message, on_disk))
     return out
 
 
@@ -75,8 +77,8 @@ def group(items: list[Failure]) -> list[Group]:
     groups: dict[tuple[str, str], Group] = {}
     for f in items:
         key = (f.error, re.sub(r"\d+", "N", f.message))
-        groups.setdefault(key, Group(f.error, f.message)).job_ids.append(f.job_id)
-    return sorted(groups.values(), key=lambda g: -len(g.job_ids))
+        groups.setdefault(key, Group(f.error, f.message)).ids.append(f.id)
+    return sorted(groups.values(), key=lambda g: -len(g.ids))
 
 
 def retry(conn: redis.Redis, keys: Keys, items: list[Failure]) -> tuple[int, int]:
@@ -98,7 +100,7 @@ def retry(conn: redis.Redis, keys: Keys, items: list[Failure]) -> tuple[int, int
                 waiting += 1
                 continue
             job = Job.fetch(f.job_id, connection=conn, serializer="json")
-            row, sample = parse_job_id(f.job_id, name, samples) or (None, None)
+            row, sample = parse_record_id(f.id, name, samples) or (None, None)
             with conn.pipeline() as pipe:
                 pipe.zrem(registry.key, job.id)
                 job.started_at = job.ended_at = None

@@ -90,6 +90,15 @@ class Keys:
     def failed(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:failed"
 
+    def job_id(self, record_id: str) -> str:
+        """The RQ job id of a record id. RQ keeps every job at ``rq:job:<id>`` whatever its queue,
+        so two namespaces running a dataset of the same name need different job ids."""
+        return f"{self.namespace}--{record_id}"
+
+    def record_id(self, job_id: str) -> str | None:
+        head = f"{self.namespace}--"
+        return job_id[len(head) :] if job_id.startswith(head) else None
+
     def queue_name(self, dataset: str) -> str:
         """The RQ queue of a dataset: one queue each, so rq-dashboard shows depth per dataset."""
         return f"{self.namespace}.{dataset}"

@@ -48,8 +48,12 @@ KIND_RECORD = b"record"
 KIND_ERROR = b"error"
 
 
-def job_id(dataset: str, row: int, sample: int, samples: int) -> str:
-    """``<dataset>-<row>`` or ``<dataset>-<row>-<sample>`` (decision 5): the same row gives the same id."""
+def record_id(dataset: str, row: int, sample: int, samples: int) -> str:
+    """``<dataset>-<row>`` or ``<dataset>-<row>-<sample>`` (decision 5): the same row gives the same id.
+
+    This is the ``id`` in the output files. The RQ job id adds the namespace
+    (:meth:`genq.keys.Keys.job_id`): RQ's job keys are global to a Redis.
+    """
     return f"{dataset}-{row}-{sample}" if samples > 1 else f"{dataset}-{row}"
 
 
@@ -65,6 +69,7 @@ class JobSpec:
     dataset: str
     row: int
     sample: int
+    id: str  # the record id, <dataset>-<row>[-<sample>]
     sampling_params: dict[str, Any]
     input_ids: list[int] | None = None
     text: str | None = None
@@ -127,12 +132,12 @@ def loads(data: bytes | str) -> Any:
     return orjson.loads(data)
 
 
-def parse_job_id(job_id: str, dataset: str, samples: int) -> tuple[int, int] | None:
-    """(row, sample) of a job id of ``dataset``, or None if it is not one of its ids."""
+def parse_record_id(rid: str, dataset: str, samples: int) -> tuple[int, int] | None:
+    """(row, sample) of a record id of ``dataset``, or None if it is not one of its ids."""
     head = f"{dataset}-"
-    if not job_id.startswith(head):
+    if not rid.startswith(head):
         return None
-    parts = job_id[len(head) :].split("-")
+    parts = rid[len(head) :].split("-")
     if len(parts) != (2 if samples > 1 else 1) or not all(p.isdigit() for p in parts):
         return None
     return int(parts[0]), (int(parts[1]) if samples > 1 else 0)

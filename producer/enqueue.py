@@ -18,7 +18,7 @@ from rq import Queue, Retry
 from genq import datasets
 from genq.bitmaps import is_set
 from genq.keys import Keys
-from genq.schema import ABANDON_REQUEUES, JOB_FUNC, JobSpec, bit_index, job_id
+from genq.schema import ABANDON_REQUEUES, JOB_FUNC, JobSpec, bit_index, record_id
 from producer.context import check_fits
 from producer.readers import Rejected, Row, read_files
 
@@ -71,7 +71,7 @@ def enqueue_rows(
             if is_set(known, index) or is_set(done, index):
                 summary.skipped += 1
                 continue
-            batch.append((index, _job_data(queue, settings, item, sample)))
+            batch.append((index, _job_data(queue, keys, settings, item, sample)))
             if len(batch) >= BATCH:
                 summary.enqueued += _push(conn, keys, queue, name, batch)
                 batch = []
@@ -80,7 +80,7 @@ def enqueue_rows(
     return summary
 
 
-def _job_data(queue: Queue, settings: datasets.DatasetSettings, item: Row, sample: int) -> Any:
+def _job_data(queue: Queue, keys: Keys, settings: datasets.DatasetSettings, item: Row, sample: int) -> Any:
     params = dict(settings.sampling_params)
     if settings.samples > 1:
         params["sampling_seed"] = params.get("sampling_seed", 0) + sample
@@ -88,6 +88,7 @@ def _job_data(queue: Queue, settings: datasets.DatasetSettings, item: Row, sampl
         dataset=settings.name,
         row=item.row,
         sample=sample,
+        id=record_id(settings.name, item.row, sample, settings.samples),
         sampling_params=params,
         input_ids=item.prompt.input_ids,
         text=item.prompt.text,
@@ -96,7 +97,7 @@ def _job_data(queue: Queue, settings: datasets.DatasetSettings, item: Row, sampl
     return queue.prepare_data(
         JOB_FUNC,
         kwargs=spec.to_kwargs(),
-        job_id=job_id(settings.name, item.row, sample, settings.samples),
+        job_id=keys.job_id(spec.id),
         description=f"{settings.name} row {item.row}" + (f" sample {sample}" if settings.samples > 1 else ""),
         timeout=-1,  # the worker enforces deadlines that follow max_new_tokens (decision 8)
         result_ttl=RESULT_TTL_S,

@@ -20,7 +20,8 @@ def test_enqueue_twice_enqueues_nothing_new(procs, conn, namespace, tmp_path):
     assert "enqueued 0, skipped 500" in second.stdout
     queue = Queue(Keys(namespace).queue_name("d"), connection=conn, serializer="json")
     assert queue.count == 500
-    job = queue.fetch_job("d-0")
+    job = queue.fetch_job(Keys(namespace).job_id("d-0"))
+    assert job.kwargs["id"] == "d-0"
     assert job.kwargs["sampling_params"] == {"max_new_tokens": 64}
     assert job.kwargs["source_id"] == "src-0"
 
@@ -58,8 +59,9 @@ def test_bad_rows_are_named_and_good_rows_go_through(procs, conn, namespace, tmp
     assert f"{data}:8: expected a JSON object" in err
     queue = Queue(Keys(namespace).queue_name("mixed"), connection=conn, serializer="json")
     # Rows keep their position whatever is wrong around them: the text row is row 5.
-    assert sorted(queue.job_ids) == ["mixed-0", "mixed-5"]
-    assert queue.fetch_job("mixed-5").kwargs["text"] == "hello world"
+    keys = Keys(namespace)
+    assert sorted(queue.job_ids) == [keys.job_id("mixed-0"), keys.job_id("mixed-5")]
+    assert queue.fetch_job(keys.job_id("mixed-5")).kwargs["text"] == "hello world"
 
 
 def test_samples_get_distinct_ids_and_seeds(procs, conn, namespace, tmp_path):
@@ -68,8 +70,8 @@ def test_samples_get_distinct_ids_and_seeds(procs, conn, namespace, tmp_path):
     res = procs.run("enqueue", data, "--samples", "4", "--seed", "10", "--temperature", "0.8")
     assert "enqueued 12" in res.stdout, res.stderr
     queue = Queue(Keys(namespace).queue_name("s"), connection=conn, serializer="json")
-    seeds = {queue.fetch_job(f"s-1-{k}").kwargs["sampling_params"]["sampling_seed"] for k in range(4)}
-    assert seeds == {10, 11, 12, 13}
+    jobs = [queue.fetch_job(Keys(namespace).job_id(f"s-1-{k}")) for k in range(4)]
+    assert {job.kwargs["sampling_params"]["sampling_seed"] for job in jobs} == {10, 11, 12, 13}
 
 
 def test_other_settings_for_an_existing_dataset_are_refused(procs, tmp_path):

@@ -67,7 +67,7 @@ def test_plain_rq_dashboard_during_a_run_corrupts_and_loses_nothing(
         assert failed, "with a 30 % failure rate and one attempt, some jobs failed"
         sim_post(url, "/sim/faults", {"error_500": 0.0})
         # Requeue from the dashboard: one job, then all of them (meta re-saved as pickle).
-        assert http("POST", f"{base}/job/{failed[0]['id']}/requeue") == 200
+        assert http("POST", f"{base}/job/{namespace}--{failed[0]['id']}/requeue") == 200
         assert http("POST", f"{base}/requeue/{queue}") == 200
         wait_until(lambda: status_json(procs)["datasets"]["dash"]["queued"] == len(failed), 10, "the requeue")
     finally:

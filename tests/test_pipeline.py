@@ -159,3 +159,26 @@ def test_collector_started_before_the_dataset_marks_its_files_before_writing(
         assert stop(collector) == 0, log_of(collector)
     assert "marked 200 ids found on disk" in log_of(collector)
     check_records(out, "seen", prompts, PARAMS)
+
+
+def test_two_namespaces_with_a_dataset_of_the_same_name_do_not_mix(procs, start_sim, tmp_path):
+    """RQ keeps jobs at rq:job:<id> whatever the queue: genq's job ids carry the namespace."""
+    url = start_sim()
+    runs = {}
+    for namespace, offset in (("alpha", 0), ("beta", 5000)):
+        folder = tmp_path / namespace
+        folder.mkdir()
+        data = folder / "same.jsonl"
+        runs[namespace] = (write_prompts(data, 150, start=offset), folder / "out")
+        env = {"GENQ_NAMESPACE": namespace}
+        assert procs.run("enqueue", data, "--max-new-tokens", "200", env=env).returncode == 0
+    # Both queued at once, then both run at once.
+    procs_started = []
+    for namespace, (_, out) in runs.items():
+        env = {"GENQ_NAMESPACE": namespace}
+        procs_started.append(procs.start("worker", "--server", url, "--burst", env=env))
+        procs_started.append(procs.start("collect", "--out", out, "--burst", env=env))
+    for proc in procs_started:
+        assert proc.wait(120) == 0, log_of(proc)
+    for prompts, out in runs.values():
+        check_records(out, "same", prompts, PARAMS)

@@ -115,7 +115,10 @@ class Bookkeeper(BaseWorker):
         with self.connection.pipeline() as pipe:
             for (queue, job_id), job in zip(ids, jobs, strict=True):
                 pipe.lrem(queue.intermediate_queue_key, 1, job_id)
-                if job is None:  # deleted while queued: nothing to run
+                if job is None:
+                    # Its hash is gone (deleted by hand, or expired): there is nothing to run, and
+                    # `genq status` will show the job as unaccounted for.
+                    log.warning("job %s was queued but no longer exists in Redis: skipped", job_id)
                     continue
                 if "unserialized" in job.meta:
                     # `rq info` or rq-dashboard without the JSON serializer re-saved the meta as
@@ -188,7 +191,7 @@ class Bookkeeper(BaseWorker):
     def _hand_over(self, t: Taken, kind: bytes, data: dict) -> None:
         """Add a result to the stream, counted per dataset in the same MULTI."""
         with self.connection.pipeline() as pipe:
-            pipe.xadd(self.keys.results, {"kind": kind, "id": t.job.id, "data": dumps(data)})
+            pipe.xadd(self.keys.results, {"kind": kind, "id": t.spec.id, "data": dumps(data)})
             pipe.hincrby(self.keys.in_stream, t.spec.dataset, 1)
             pipe.hdel(self.keys.attempts, t.job.id)
             pipe.execute()

@@ -203,7 +203,7 @@ class Worker:
     # -- one job ----------------------------------------------------------------------------
 
     async def _run_job(self, t: Taken) -> None:
-        spec, job_id = t.spec, t.job.id
+        spec, job_id = t.spec, t.job.id  # job_id: RQ's, namespaced; spec.id: the record's
         body: dict[str, Any] = {"sampling_params": spec.sampling_params}
         if spec.input_ids is not None:
             body["input_ids"] = spec.input_ids
@@ -217,9 +217,12 @@ class Worker:
             await self._server_up.wait()
             attempt = await self.redis(self.books.attempt, job_id)
             if attempt > self.config.max_attempts:
-                await self._fail(
-                    t, last or AttemptError("attempts_exhausted", "no attempt left"), attempt - 1
+                why = last or AttemptError(
+                    "attempts_exhausted",
+                    f"used its {self.config.max_attempts} attempts without an answer "
+                    "(the workers running it stopped or died)",
                 )
+                await self._fail(t, why, attempt - 1)
                 return
             rid = f"{job_id}-a{attempt}"
             body["rid"] = rid
@@ -252,7 +255,7 @@ class Worker:
                 raise
             self._server_failures = 0
             record = build_record(
-                job_id,
+                spec.id,
                 spec,
                 response,
                 attempts=attempt,
@@ -269,7 +272,7 @@ class Worker:
             "job %s (%s): failed for good after %d attempts: %s", t.job.id, t.spec.dataset, attempts, exc
         )
         error = error_record(
-            id=t.job.id,
+            id=t.spec.id,
             dataset=t.spec.dataset,
             row=t.spec.row,
             sample=t.spec.sample,

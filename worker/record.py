@@ -8,7 +8,7 @@ from genq.schema import SCHEMA_VERSION, JobSpec, now_iso
 
 
 def build_record(
-    job_id: str,
+    record_id: str,
     spec: JobSpec,
     response: dict[str, Any],
     *,
@@ -21,7 +21,7 @@ def build_record(
     finish = meta["finish_reason"]
     text = response.get("text")
     return {
-        "id": job_id,
+        "id": record_id,
         "dataset": spec.dataset,
         "row": spec.row,
         "source_id": spec.source_id,
