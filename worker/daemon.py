@@ -235,6 +235,11 @@ class Worker:
                 if not exc.retryable:
                     await self._fail(t, exc, attempt)
                     return
+                if exc.kind == "connection" and not exc.unavailable and not await self.client.healthy():
+                    # The connection dropped and the server is gone too: it crashed under this job
+                    # and its neighbours, no fault of the prompt. A healthy server means the drop
+                    # was this request's, and it counts.
+                    exc.unavailable = True
                 if exc.unavailable:
                     await self.redis(self.books.attempt, job_id, -1)
                     self._note_server_failure(f"{exc}")
