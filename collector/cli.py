@@ -13,10 +13,12 @@ from typing import TypeVar
 import click
 import redis
 
+from collector import metrics
 from collector.drain import Collector, LeaseHeld, WriteFailed
 from genq.keys import Keys
-from genq.logs import setup_logging
+from genq.logs import log_format_option, setup_logging
 from genq.maintenance import reap
+from genq.metrics import metrics_options, serve
 from genq.settings import connect, option, redis_options
 
 log = logging.getLogger("genq.collector")
@@ -41,16 +43,22 @@ REAP_EVERY_S = 15
 )
 @option("--burst", is_flag=True, help="Exit once queues, in-flight jobs and the stream are all empty.")
 @option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
+@log_format_option
+@metrics_options
 @redis_options
-def collect_command(out, batch, give_up_after, burst, log_level, redis_url, namespace):
+def collect_command(
+    out, batch, give_up_after, burst, log_level, log_format, metrics_port, metrics_bind, redis_url, namespace
+):
     """Drain results into deduplicated JSONL: write, fsync, then acknowledge.
 
     One collector per namespace (a lease in Redis). SIGTERM finishes the batch in hand and exits 0.
     A disk that refuses writes is retried with backoff (nothing is acknowledged meanwhile); after
     --give-up-after seconds without progress the collector exits with status 3.
     """
-    setup_logging(log_level)
+    setup_logging(log_level, log_format)
     collector = Collector(connect(redis_url), Keys(namespace), out, batch=batch)
+    metrics.watch(collector.conn, collector.keys)
+    serve(metrics_port, metrics_bind, metrics.REGISTRY)
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))

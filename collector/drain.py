@@ -23,8 +23,9 @@ from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 
+from collector import metrics
 from collector.files import ERRORS, RAW, Appender, cut_torn_tail, scan
-from genq import datasets
+from genq import datasets, tokens
 from genq.bitmaps import is_set
 from genq.failures import reason_of
 from genq.keys import Keys
@@ -140,7 +141,9 @@ class Collector:
             path = self.out / name / filename
             cut = cut_torn_tail(path)
             if cut:
-                log.warning("%s: cut a torn last line (%d bytes) left by a crash", path, cut)
+                log.warning(
+                    "%s: cut a torn last line (%d bytes) left by a crash", path, cut, extra={"dataset": name}
+                )
             self._reconcile_file(name, kind, path)
 
     def _reconcile_file(self, name: str, kind: bytes, path: Path) -> None:
@@ -151,18 +154,32 @@ class Collector:
             log.warning("%s is shorter than its checkpoint: re-reading all of it", path)
             offset = 0
         samples = self._settings[name].samples
+        # Records whose done bit is still 0 get their tokens counted, in the MULTI that sets the
+        # bit: a crash between chunks leaves each chunk counted once or not at all.
+        done = (self.conn.get(self.keys.done(name)) or b"") if kind == KIND_RECORD else None
+        live = self.conn.hexists(self.keys.tokens(name), "first_at")
+        uncounted: list[dict] = []
+        seen: set[int] = set()
         marked = 0
-        pipe = self.conn.pipeline(transaction=False)
+        pipe = self.conn.pipeline(transaction=True)
         for _, obj in scan(path, offset):
             index = bit_index(obj["row"], obj["sample"], samples)
             self._mark(pipe, name, kind, index)
+            if done is not None and not is_set(done, index) and index not in seen:
+                seen.add(index)
+                uncounted.append(obj)
             marked += 1
             if len(pipe) >= 3000:
+                tokens.add(pipe, self.keys, name, uncounted, None, live)
                 pipe.execute()
+                uncounted = []
+        tokens.add(pipe, self.keys, name, uncounted, None, live)
         pipe.hset(self.keys.collector_offsets, field, size)
         pipe.execute()
         if marked:
-            log.info("%s: marked %d ids found on disk past the checkpoint", path, marked)
+            log.info(
+                "%s: marked %d ids found on disk past the checkpoint", path, marked, extra={"dataset": name}
+            )
 
     def _mark(self, pipe, name: str, kind: bytes, index: int) -> None:
         pipe.setbit(self.keys.enqueued(name), index, 1)
@@ -201,6 +218,7 @@ class Collector:
         """Append the new ones, fsync, then mark, checkpoint and acknowledge all in one MULTI."""
         if not items:
             return 0
+        started = time.monotonic()
         if {i.data.get("dataset") for i in items} - set(self._settings):
             # A dataset enqueued after start-up may already have files here (a run resumed on
             # a fresh Redis): what they hold must be marked before anything is appended.
@@ -213,7 +231,10 @@ class Collector:
             settings = self._settings.get(name)
             if settings is None:
                 log.error(
-                    "result for unknown dataset %r (id %s): left in the stream", name, item.data.get("id")
+                    "result for unknown dataset %r (id %s): left in the stream",
+                    name,
+                    item.data.get("id"),
+                    extra={"dataset": name},
                 )
                 continue
             placed.append((item, name, bit_index(item.data["row"], item.data["sample"], settings.samples)))
@@ -224,6 +245,7 @@ class Collector:
             bits = pipe.execute()
         seen: set[tuple[str, int]] = set()
         to_mark = []
+        new_records: dict[str, list[dict]] = {}
         duplicates = 0
         try:
             for n, (item, name, index) in enumerate(placed):
@@ -234,6 +256,8 @@ class Collector:
                 seen.add((name, index))
                 self._file(name, item.kind).append(item.data)
                 to_mark.append((name, item.kind, index))
+                if item.kind == KIND_RECORD:
+                    new_records.setdefault(name, []).append(item.data)
             offsets = {str(f.path): f.sync() for f in self._files.values()}
         except OSError as exc:
             for f in self._files.values():
@@ -241,9 +265,12 @@ class Collector:
                     f.roll_back()
             raise WriteFailed(f"writing to {self.out} failed: {exc}") from exc
         self.duplicates += duplicates
+        now = tokens.redis_now(self.conn) if new_records else None
         with self.conn.pipeline(transaction=True) as pipe:
             for name, kind, index in to_mark:
                 self._mark(pipe, name, kind, index)
+            for name, records in new_records.items():
+                tokens.add(pipe, self.keys, name, records, now, live=True)
             if offsets:
                 pipe.hset(self.keys.collector_offsets, mapping=offsets)
             entry_ids = [item.entry_id for item, _, _ in placed if item.entry_id is not None]
@@ -254,6 +281,7 @@ class Collector:
                 pipe.hincrby(self.keys.in_stream, name, -count)
             pipe.execute()
         self.written += len(to_mark)
+        metrics.written([(n, k) for n, k, _ in to_mark], new_records, duplicates, time.monotonic() - started)
         return len(to_mark)
 
     def _file(self, name: str, kind: bytes) -> Appender:

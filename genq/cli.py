@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import click
 import orjson
+import redis
 from rich.console import Console
 from rich.table import Table
 
 from collector.cli import collect_command
+from collector.export import export_command
+from collector.stats import stats_command
 from genq import __version__, failures
+from genq import monitor as monitor_view
+from genq.dashboard import dashboard_command
 from genq.keys import Keys
 from genq.run import run_command
-from genq.settings import connect, option, redis_options
-from genq.status import STATES, status
+from genq.settings import connect, option, redact, redis_options
+from genq.status import status
 from producer.cli import enqueue_command
 from sim.cli import sim_server
 from worker.cli import worker_command
@@ -28,22 +36,52 @@ def main() -> None:
 @option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @redis_options
 def status_command(as_json: bool, redis_url: str, namespace: str) -> None:
-    """Per dataset: total enqueued, queued, in flight, retrying, done, failed (they add up)."""
-    data = status(connect(redis_url), Keys(namespace))
+    """Per dataset: total enqueued, queued, in flight, retrying, done, failed (they add up); tokens,
+    tokens/s and ETA; the workers alive; the collector's lag. Unknown numbers say so (null)."""
+    try:
+        data = status(connect(redis_url), Keys(namespace))
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise click.ClickException(f"Redis unreachable at {redact(redis_url)}: {exc}") from exc
     if as_json:
         click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
-    table = Table(title=f"genq namespace {namespace!r}")
-    for col in ("dataset", "total", *STATES):
-        table.add_column(col, justify="left" if col == "dataset" else "right")
-    for name, counts in data["datasets"].items():
-        table.add_row(name, *(str(counts[c]) for c in ("total", *STATES)))
     console = Console()
-    console.print(table)
-    console.print(f"result stream: {data['stream']['length']} entries waiting for the collector")
+    console.print(f"genq namespace {namespace!r}")
+    for part in (
+        monitor_view.counts_table(data),
+        monitor_view.tokens_table(data),
+        monitor_view.workers_table(data),
+        monitor_view.lag_line(data),
+    ):
+        console.print(part)
     odd = {n: c["unaccounted"] for n, c in data["datasets"].items() if c["unaccounted"]}
     if odd:
         console.print(f"[yellow]not adding up (jobs moving between states, or lost): {odd}[/yellow]")
+
+
+@main.command("monitor")
+@option("--interval", type=click.FloatRange(min=0.5), default=3.0, help="Seconds between frames.")
+@option("--once", is_flag=True, help="Print one frame and exit (1 if Redis did not answer).")
+@option(
+    "--svg",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="With --once: also save the frame as an SVG picture.",
+)
+@option("--width", type=click.IntRange(min=40), default=None, help="Columns (default: the terminal's).")
+@redis_options
+def monitor_command(
+    interval: float, once: bool, svg: Path | None, width: int | None, redis_url: str, namespace: str
+) -> None:
+    """Live view of the run: progress, tokens/s and ETA per dataset, workers, failures, collector lag.
+
+    Fits 80 columns (ssh); Ctrl-C quits. When Redis does not answer it says so and keeps trying.
+    """
+    if svg is not None and not once:
+        raise click.UsageError("--svg goes with --once")
+    console = Console(width=width, record=svg is not None)
+    monitor = monitor_view.Monitor(redis_url, Keys(namespace))
+    sys.exit(monitor_view.run(monitor, console, interval, once, svg))
 
 
 @main.command("failed")
@@ -97,5 +135,8 @@ def retry_command(
 main.add_command(enqueue_command)
 main.add_command(worker_command)
 main.add_command(collect_command)
+main.add_command(export_command)
+main.add_command(stats_command)
+main.add_command(dashboard_command)
 main.add_command(run_command)
 main.add_command(sim_server, "sim-server")

@@ -23,10 +23,14 @@ class DatasetSettings:
     sampling_params: dict[str, Any]
     sources: list[str] = field(default_factory=list)
     created_at: str = field(default_factory=now_iso)
+    # How rows become prompts (format, field mapping, tokenizer and template, system prompt, think
+    # markers, ...): only the settings that differ from the defaults, so older recipes still match.
+    prompting: dict[str, Any] = field(default_factory=dict)
 
     def recipe(self) -> dict[str, Any]:
         """What must match between two enqueues of the same dataset."""
-        return {"samples": self.samples, "sampling_params": self.sampling_params}
+        recipe = {"samples": self.samples, "sampling_params": self.sampling_params}
+        return {**recipe, "prompting": self.prompting} if self.prompting else recipe
 
 
 class SettingsMismatch(Exception):
@@ -34,11 +38,19 @@ class SettingsMismatch(Exception):
 
 
 def settings_for(
-    name: str, paths: list[Path], sampling_params: dict[str, Any], samples: int
+    name: str,
+    paths: list[Path],
+    sampling_params: dict[str, Any],
+    samples: int,
+    prompting: dict[str, Any] | None = None,
 ) -> DatasetSettings:
     """The settings an enqueue of ``paths`` as dataset ``name`` records."""
     return DatasetSettings(
-        name=name, samples=samples, sampling_params=sampling_params, sources=[p.name for p in paths]
+        name=name,
+        samples=samples,
+        sampling_params=sampling_params,
+        sources=[p.name for p in paths],
+        prompting=prompting or {},
     )
 
 

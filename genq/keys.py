@@ -5,14 +5,21 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``datasets``               hash   dataset name -> its fixed settings (JSON)
 - ``results``                stream records and errors on their way to disk
 - ``in_stream``              hash   dataset -> entries in ``results`` (moves with the stream, in one MULTI)
+- ``in_source``              hash   dataset -> jobs not enqueued yet, still in its files (``enqueue
+                                    --max-queued``; gone once the enqueue has read every row)
 - ``ds:<name>:enqueued``     bitmap one bit per job ever enqueued (index = row * samples + sample)
 - ``ds:<name>:done``         bitmap jobs whose record is on disk (set only after fsync)
 - ``ds:<name>:failed``       bitmap jobs whose error is on disk
+- ``ds:<name>:tokens``       hash   records, prompt_tokens, completion_tokens of the records on disk (set
+                                    in the MULTI that marks them done), live_tokens, first_at, last_at
+- ``ds:<name>:rate:<n>``     string completion tokens written to disk in the n-th 10 s bucket (expires in 1 h)
 - ``collector:offsets``      hash   file -> byte offset up to which its ids are marked in the bitmaps
 - ``collector:lease``        string the collector holding this namespace
 - ``collector:ready``        string the lease of the collector that has reconciled Redis with the disk
 - ``attempts``               hash   job id -> /generate attempts so far, across workers
 - ``maintenance``            string short lock so one worker at a time reaps abandoned jobs
+- ``worker:<name>:retrying`` hash   dataset -> this worker's jobs waiting between attempts (TTL: the
+                                    heartbeat TTL, refreshed every 2 s: a dead worker's lapses with its jobs)
 
 RQ's own keys (``rq:queue:<ns>.<dataset>`` and its registries) hold the jobs.
 """
@@ -62,6 +69,10 @@ class Keys:
         return self.prefix + "in_stream"
 
     @property
+    def in_source(self) -> str:
+        return self.prefix + "in_source"
+
+    @property
     def attempts(self) -> str:
         return self.prefix + "attempts"
 
@@ -89,6 +100,15 @@ class Keys:
 
     def failed(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:failed"
+
+    def tokens(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:tokens"
+
+    def rate_bucket(self, dataset: str, bucket: int) -> str:
+        return f"{self.prefix}ds:{dataset}:rate:{bucket}"
+
+    def retrying(self, worker_name: str) -> str:
+        return f"{self.prefix}worker:{worker_name}:retrying"
 
     def job_id(self, record_id: str) -> str:
         """The RQ job id of a record id. RQ keeps every job at ``rq:job:<id>`` whatever its queue,

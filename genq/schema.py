@@ -74,6 +74,9 @@ class JobSpec:
     input_ids: list[int] | None = None
     text: str | None = None
     source_id: str | None = None
+    messages: list[dict[str, Any]] | None = None  # the prompt conversation, kept for exports
+    think: dict[str, Any] | None = None  # think markers: start/end text and ids (worker/reasoning.py)
+    keep_prompt: bool | None = None  # copy input_ids (and messages) into the record
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_kwargs(self) -> dict[str, Any]:

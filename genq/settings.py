@@ -50,7 +50,8 @@ def redis_options(func: Callable) -> Callable:
         env="GENQ_REDIS_URL",
         default=DEFAULT_REDIS_URL,
         help="Redis URL (redis://, rediss:// or unix://). The password comes from "
-        "GENQ_REDIS_PASSWORD or GENQ_REDIS_PASSWORD_FILE, never from the command line.",
+        "GENQ_REDIS_PASSWORD or GENQ_REDIS_PASSWORD_FILE, never from the command line; for "
+        "rediss://, the CA from GENQ_REDIS_CA_FILE (client certificate: GENQ_REDIS_CERT_FILE/_KEY_FILE).",
     )(func)
 
 
@@ -71,12 +72,36 @@ def redis_password() -> str | None:
     return os.environ.get("GENQ_REDIS_PASSWORD") or None
 
 
+# Read by :func:`connect` for every command (not flags: secrets and file paths stay out of argv).
+REDIS_ENV = {
+    "GENQ_REDIS_PASSWORD": "Redis password (prefer GENQ_REDIS_PASSWORD_FILE)",
+    "GENQ_REDIS_PASSWORD_FILE": "file holding the Redis password; wins over GENQ_REDIS_PASSWORD",
+    "GENQ_REDIS_CA_FILE": "rediss:// only: CA bundle that signed the server's certificate",
+    "GENQ_REDIS_CERT_FILE": "rediss:// only: client certificate, when Redis asks for one",
+    "GENQ_REDIS_KEY_FILE": "rediss:// only: the client certificate's key",
+}
+_TLS_ENV = {
+    "ssl_ca_certs": "GENQ_REDIS_CA_FILE",
+    "ssl_certfile": "GENQ_REDIS_CERT_FILE",
+    "ssl_keyfile": "GENQ_REDIS_KEY_FILE",
+}
+
+
 def connect(url: str, **kwargs: Any) -> redis.Redis:
-    """A Redis client for ``url`` that reconnects on its own and never hangs forever."""
-    if urlsplit(url).password is None and "password" not in kwargs:
+    """A Redis client for ``url`` that reconnects on its own and never hangs forever.
+
+    ``rediss://`` is TLS; the CA and a client certificate come from GENQ_REDIS_CA_FILE,
+    GENQ_REDIS_CERT_FILE and GENQ_REDIS_KEY_FILE (``?ssl_cert_reqs=none`` skips verification).
+    """
+    parts = urlsplit(url)
+    if parts.password is None and "password" not in kwargs:
         password = redis_password()
         if password:
             kwargs["password"] = password
+    if parts.scheme == "rediss":
+        for key, env in _TLS_ENV.items():
+            if os.environ.get(env):
+                kwargs.setdefault(key, os.environ[env])
     kwargs.setdefault("socket_connect_timeout", 10)
     kwargs.setdefault("socket_keepalive", True)
     kwargs.setdefault("health_check_interval", 30)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -11,25 +13,80 @@ from genq import datasets
 from genq.keys import Keys, validate_name
 from genq.sampling import Sampling, sampling_options
 from genq.settings import connect, option, redis_options
+from producer import sources, thinking
 from producer.context import context_length_of
-from producer.enqueue import Summary, enqueue_files
+from producer.enqueue import Options, Summary, enqueue_dataset
+from producer.formats import CHAT_FORMATS, FIELDS, FORMATS, Shape
+from producer.templates import ChatTemplate, TemplateError
 
 
-def dataset_name(dataset: str | None, files: tuple[Path, ...]) -> str:
-    name = dataset or files[0].stem
+def dataset_name(dataset: str | None, files: tuple[str, ...]) -> str:
+    name = dataset or Path(files[0]).stem
     try:
         return validate_name(name)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--dataset") from exc
 
 
+def _fields(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for value in values:
+        name, sep, column = value.partition("=")
+        if not sep or name not in FIELDS or not column:
+            names = ", ".join(FIELDS)
+            raise click.BadParameter(f"expected NAME=COLUMN with NAME one of {names}, got {value!r}")
+        out[name] = column
+    return out
+
+
+def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any]:
+    if not value:
+        return {}
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise click.BadParameter('expected a JSON object, e.g. {"enable_thinking": true}')
+    return parsed
+
+
 @click.command("enqueue")
-@click.argument(
-    "files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
-)
+@click.argument("files", nargs=-1, required=True)
 @option("--dataset", default=None, help="Dataset name (default: the first file's stem).")
+@option(
+    "--format",
+    "fmt",
+    type=click.Choice(["auto", *FORMATS]),
+    default="auto",
+    help="Row format; auto detects it per row and reports what each file holds.",
+)
+@option(
+    "--field",
+    "fields",
+    multiple=True,
+    callback=_fields,
+    help="NAME=COLUMN: read genq's NAME (prompt, messages, conversations, id, role, content, from, "
+    "value, instruction, input, input_ids, system) from another column. Repeatable.",
+)
+@option(
+    "--split", default=None, help="Split of a Hugging Face dataset folder (default: train, or the only one)."
+)
+@option(
+    "--tokenizer", default=None, help="Render prompts with its chat template (a local folder, or the cache)."
+)
+@option(
+    "--chat-template-kwargs",
+    callback=_json_object,
+    default=None,
+    help='JSON object passed to the chat template, e.g. {"enable_thinking": true}.',
+)
+@option("--system-prompt", default=None, help="Replace each conversation's system turn, or add one.")
+@option(
+    "--keep-prompt/--no-keep-prompt", default=True, help="Keep input_ids and the conversation in records."
+)
 @sampling_options
-@option("--replace-settings", is_flag=True, help="Allow other sampling settings for an existing dataset.")
+@option("--replace-settings", is_flag=True, help="Allow other settings for an existing dataset.")
 @option(
     "--context-length",
     type=click.IntRange(min=2),
@@ -37,41 +94,120 @@ def dataset_name(dataset: str | None, files: tuple[Path, ...]) -> str:
     help="Reject prompts that cannot fit with --max-new-tokens (default: ask --server, if given).",
 )
 @option("--server", default=None, help="SGLang server to ask for its context length (/server_info).")
+@option("--clip-max-new-tokens", is_flag=True, help="Lower max_new_tokens of a prompt that would not fit.")
+@option(
+    "--max-queued",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Keep at most N jobs waiting in Redis; top the queue up as it drains.",
+)
+@option(
+    "--reasoning-preset",
+    type=click.Choice(list(thinking.PRESETS)),
+    default=None,
+    help="Think markers of a model family, to split reasoning from content.",
+)
+@option("--think-start", default=None, help="Text that opens the reasoning (e.g. <think>).")
+@option("--think-start-token-id", type=click.IntRange(min=0), default=None, help="Token id that opens it.")
+@option("--think-end", default=None, help="Text that closes the reasoning (e.g. </think>).")
+@option("--think-end-token-id", type=click.IntRange(min=0), default=None, help="Token id that closes it.")
 @redis_options
 def enqueue_command(
-    files, dataset, sampling: Sampling, replace_settings, context_length, server, redis_url, namespace
+    files,
+    dataset,
+    fmt,
+    fields,
+    split,
+    tokenizer,
+    chat_template_kwargs,
+    system_prompt,
+    keep_prompt,
+    sampling: Sampling,
+    replace_settings,
+    context_length,
+    server,
+    clip_max_new_tokens,
+    max_queued,
+    reasoning_preset,
+    think_start,
+    think_start_token_id,
+    think_end,
+    think_end_token_id,
+    redis_url,
+    namespace,
 ):
-    """Enqueue one job per prompt of FILES (JSONL rows with `input_ids` or `prompt`).
+    """Enqueue one job per prompt of FILES: JSON Lines, JSON arrays, Parquet, or Hugging Face dataset
+    folders; globs allowed. Rows hold input_ids, messages, conversations, prompt or instruction.
 
     Idempotent: rows already queued, in flight or on disk are skipped, so the same command can
     be run again safely. Rows are numbered across FILES in order: give the same files first.
     """
     name = dataset_name(dataset, files)
+    if tokenizer is None:
+        chat_only = (("--system-prompt", system_prompt), ("--chat-template-kwargs", chat_template_kwargs))
+        for flag, value in chat_only:
+            if value:
+                raise click.UsageError(f"{flag} needs --tokenizer (it goes through the chat template)")
+        if fmt in CHAT_FORMATS:
+            raise click.UsageError(f"--format {fmt} needs --tokenizer: genq does not guess a chat template")
     if context_length is None and server:
         try:
             context_length = context_length_of(server)
         except (OSError, ValueError) as exc:
             raise click.ClickException(f"could not read the context length from {server}: {exc}") from exc
+    if clip_max_new_tokens and context_length is None:
+        raise click.UsageError("--clip-max-new-tokens needs --context-length or --server")
+    try:
+        paths = sources.expand(list(files))
+        template = ChatTemplate(tokenizer, chat_template_kwargs) if tokenizer else None
+        think, special = thinking.resolve(
+            reasoning_preset, think_start, think_start_token_id, think_end, think_end_token_id, template
+        )
+    except (sources.SourceError, TemplateError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    except thinking.ThinkError as exc:
+        raise click.UsageError(str(exc)) from exc
+    params = sampling.params()
+    if special:
+        params["skip_special_tokens"] = False
+        click.echo(
+            f"{name}: the think end {think['end']!r} is a special token: sending skip_special_tokens=false "
+            "so it stays in the text",
+            err=True,
+        )
+    options = Options(
+        shape=Shape(fmt, fields, system_prompt, chat=template is not None),
+        split=split,
+        template=template,
+        think=think,
+        keep_prompt=keep_prompt,
+        context_length=context_length,
+        clip=clip_max_new_tokens,
+        max_queued=max_queued,
+    )
     conn = connect(redis_url)
     try:
-        summary = enqueue_files(
+        summary = enqueue_dataset(
             conn,
             Keys(namespace),
-            list(files),
+            paths,
             name,
-            sampling.params(),
+            params,
             sampling.samples,
+            options,
             replace_settings,
-            context_length,
+            report=lambda line: click.echo(line, err=True),
         )
     except datasets.SettingsMismatch as exc:
         raise click.ClickException(str(exc)) from exc
+    except sources.SourceError as exc:  # the count pass of --max-queued met a broken file
+        raise click.ClickException(str(exc)) from exc
     print_summary(name, summary)
+    if summary.fatal:
+        raise click.ClickException(summary.fatal)
 
 
 def print_summary(name: str, summary: Summary) -> None:
-    for rejected in summary.rejected:
-        click.echo(f"rejected {rejected}", err=True)
     counts = summary.as_dict()
     click.echo(f"{name}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 

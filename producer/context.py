@@ -1,4 +1,4 @@
-"""The model's context length, so prompts that cannot fit are rejected before they are queued.
+"""The model's context length, so prompts that cannot fit are rejected (or clipped) before they are queued.
 
 SGLang answers such a prompt with a 400 anyway; catching it here names the row in the source
 file and keeps it out of the queue and off the GPU hosts.
@@ -24,15 +24,22 @@ def context_length_of(server: str, timeout: float = 15.0) -> int:
     raise ValueError(f"{url} names neither context_length nor max_req_input_len")
 
 
-def check_fits(item: Row, max_new_tokens: int, context_length: int) -> Row | Rejected:
-    """SGLang refuses prompt + max_new_tokens >= the context length with a 400."""
+def check_fits(item: Row, max_new_tokens: int, context_length: int, clip: bool = False) -> Row | Rejected:
+    """SGLang refuses prompt + max_new_tokens >= the context length with a 400.
+
+    With ``clip``, a prompt that leaves room for at least one new token gets ``max_new_tokens``
+    lowered to what fits (``item.max_new_tokens``) instead. Text prompts have no known length here.
+    """
     prompt = item.prompt.input_ids
     if prompt is None or len(prompt) + max_new_tokens < context_length:
         return item
+    room = context_length - 1 - len(prompt)
+    if clip and room >= 1:
+        item.max_new_tokens = room
+        return item
+    why = "leave no room for a new token" if clip else f"+ max_new_tokens {max_new_tokens} do not fit"
     return Rejected(
-        item.path,
-        item.line,
+        item.where,
         item.row,
-        f"field 'input_ids': {len(prompt)} prompt tokens + max_new_tokens {max_new_tokens} do not fit "
-        f"the context length of {context_length}",
+        f"field 'input_ids': {len(prompt)} prompt tokens {why} in the context length of {context_length}",
     )

@@ -1,13 +1,19 @@
-"""Enqueue: one RQ job per prompt and sample, idempotent, in pipelined batches.
+"""Enqueue: one RQ job per prompt and sample, idempotent, in pipelined batches, optionally bounded.
 
-Each batch is one MULTI: the jobs and their bits in the dataset's ``enqueued`` bitmap land
-together, so a killed enqueue never leaves a job without its bit (which would enqueue it
-twice on the next run) or a bit without its job.
+Rows flow through stages, each a generator, so a dataset is never whole in memory: read (sources,
+formats) -> skip what is already enqueued or done (before any tokenization, so a resumed run only
+re-reads) -> render conversations with the chat template, a batch at a time (one Jinja render
+each, one batched encode in the Rust tokenizer) -> check the context length -> push. Each push is
+one MULTI: the jobs and their bits in the dataset's ``enqueued`` bitmap land together, so a killed
+enqueue never leaves a job without its bit (which would enqueue it twice on the next run) or a bit
+without its job. With ``max_queued`` a push waits until the queue has room, so Redis holds at most
+that many waiting jobs whatever the dataset's size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,11 +25,50 @@ from genq import datasets
 from genq.bitmaps import is_set
 from genq.keys import Keys
 from genq.schema import ABANDON_REQUEUES, JOB_FUNC, JobSpec, bit_index, record_id
+from producer import sources
 from producer.context import check_fits
-from producer.readers import Rejected, Row, read_files
+from producer.formats import Shape
+from producer.readers import Rejected, Row, read_dataset
+from producer.sources import SourceError
+from producer.templates import ChatTemplate
 
 BATCH = 1000
+RENDER_BATCH = 256  # conversations per apply_chat_template call
+POLL_S = 0.05  # how often a full queue is looked at again (--max-queued): one LLEN
 RESULT_TTL_S = 60  # the record travels through the stream; RQ keeps only a tiny return value
+
+Report = Callable[[str], None]
+
+
+@dataclass
+class Options:
+    """How one enqueue turns rows into jobs, beyond the sampling settings."""
+
+    shape: Shape = field(default_factory=Shape)
+    split: str | None = None
+    template: ChatTemplate | None = None
+    think: dict[str, Any] | None = None
+    keep_prompt: bool = True
+    context_length: int | None = None
+    clip: bool = False
+    max_queued: int | None = None
+
+    def prompting(self) -> dict[str, Any]:
+        """The dataset settings (decision 12) these options fix; defaults left out."""
+        shape = self.shape
+        values: dict[str, Any] = {
+            "format": shape.format if shape.format != "auto" else None,
+            "fields": shape.fields or None,
+            "system_prompt": shape.system_prompt,
+            "tokenizer": self.template.name if self.template else None,
+            "chat_template": self.template.fingerprint if self.template else None,
+            "chat_template_kwargs": (self.template.kwargs or None) if self.template else None,
+            "think": self.think,
+            "keep_prompt": None if self.keep_prompt else False,
+            "clip_max_new_tokens": self.clip or None,
+            "split": self.split,
+        }
+        return {k: v for k, v in values.items() if v is not None}
 
 
 @dataclass
@@ -31,15 +76,14 @@ class Summary:
     read: int = 0
     enqueued: int = 0
     skipped: int = 0
-    rejected: list[Rejected] = field(default_factory=list)
+    rejected: int = 0
+    clipped: int = 0
+    fatal: str | None = None  # a source that could not be read on: nothing after it was enqueued
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "read": self.read,
-            "enqueued": self.enqueued,
-            "skipped": self.skipped,
-            "rejected": len(self.rejected),
-        }
+        counts = {"read": self.read, "enqueued": self.enqueued, "skipped": self.skipped}
+        clipped = {"clipped": self.clipped} if self.clipped else {}
+        return {**counts, "rejected": self.rejected, **clipped}
 
 
 def enqueue_rows(
@@ -47,87 +91,204 @@ def enqueue_rows(
     keys: Keys,
     settings: datasets.DatasetSettings,
     rows: Iterable[Row | Rejected],
-    context_length: int | None = None,
+    options: Options | None = None,
+    expected_rows: int | None = None,
+    report: Report = lambda line: None,
 ) -> Summary:
     """Enqueue every usable row not already enqueued (or done), ``settings.samples`` jobs each.
 
-    With ``context_length``, rows whose prompt cannot fit with ``max_new_tokens`` are rejected.
+    Rejected rows (and rows clipped to fit) are reported as they come. ``expected_rows`` (the
+    sources' row count) lets `genq status` show the dataset's full total while ``max_queued``
+    holds most of it back.
     """
+    options = options or Options()
+    summary = Summary()
+    pusher = _Pusher(conn, keys, settings, options, expected_rows)
+    stream = _fresh(conn, keys, settings, rows, summary)
+    if options.template is not None:
+        stream = _rendered(stream, options.template)
+    max_new = int(settings.sampling_params["max_new_tokens"])
+    try:
+        for item, todo in stream:
+            if options.context_length is not None and isinstance(item, Row):
+                item = check_fits(item, max_new, options.context_length, options.clip)
+            if isinstance(item, Rejected):
+                summary.rejected += 1
+                report(f"rejected {item}")
+                continue
+            if item.max_new_tokens is not None:
+                summary.clipped += 1
+                report(f"clipped {item.where}: max_new_tokens {max_new} -> {item.max_new_tokens} to fit")
+            for sample in todo:
+                summary.enqueued += pusher.add(item, sample)
+    except SourceError as exc:
+        summary.fatal = str(exc)
+    summary.enqueued += pusher.flush()
+    if summary.fatal is None:
+        conn.hdel(keys.in_source, settings.name)  # every row read: the bitmap holds the full total
+    return summary
+
+
+def _fresh(
+    conn: redis.Redis,
+    keys: Keys,
+    settings: datasets.DatasetSettings,
+    rows: Iterable[Row | Rejected],
+    summary: Summary,
+) -> Iterator[tuple[Row | Rejected, list[int]]]:
+    """Rows with the samples still to enqueue, and rejected rows (counted where every rejection is);
+    rows already enqueued or done are only counted."""
     name, samples = settings.name, settings.samples
     known = conn.get(keys.enqueued(name)) or b""
     done = conn.get(keys.done(name)) or b""
-    queue = Queue(keys.queue_name(name), connection=conn, serializer="json")
-    summary = Summary()
-    batch: list[tuple[int, Any]] = []
     for item in rows:
         summary.read += 1
-        if context_length is not None and isinstance(item, Row):
-            item = check_fits(item, int(settings.sampling_params["max_new_tokens"]), context_length)
         if isinstance(item, Rejected):
-            summary.rejected.append(item)
+            yield item, []
             continue
+        todo = []
         for sample in range(samples):
             index = bit_index(item.row, sample, samples)
             if is_set(known, index) or is_set(done, index):
                 summary.skipped += 1
+            else:
+                todo.append(sample)
+        if todo:
+            yield item, todo
+
+
+def _rendered(
+    stream: Iterator[tuple[Row | Rejected, list[int]]], template: ChatTemplate
+) -> Iterator[tuple[Row | Rejected, list[int]]]:
+    """Conversations rendered to input_ids, RENDER_BATCH at a time, in order.
+
+    A source error upstream first lets through what was read before it, then goes on up.
+    """
+    held: list[tuple[Row | Rejected, list[int]]] = []
+    waiting = 0
+    try:
+        for entry in stream:
+            held.append(entry)
+            waiting += isinstance(entry[0], Row) and entry[0].prompt.messages is not None
+            if waiting >= RENDER_BATCH:
+                yield from _render_held(held, template)
+                held, waiting = [], 0
+    except SourceError:
+        yield from _render_held(held, template)
+        raise
+    yield from _render_held(held, template)
+
+
+def _render_held(
+    held: list[tuple[Row | Rejected, list[int]]], template: ChatTemplate
+) -> Iterator[tuple[Row | Rejected, list[int]]]:
+    chats = [item for item, _ in held if isinstance(item, Row) and item.prompt.messages is not None]
+    rendered = iter(template.render([item.prompt.messages for item in chats]) if chats else [])
+    for item, todo in held:
+        if isinstance(item, Row) and item.prompt.messages is not None:
+            ids = next(rendered)
+            if isinstance(ids, str):
+                yield Rejected(item.where, item.row, ids), todo
                 continue
-            batch.append((index, _job_data(queue, keys, settings, item, sample)))
-            if len(batch) >= BATCH:
-                summary.enqueued += _push(conn, keys, queue, name, batch)
-                batch = []
-    if batch:
-        summary.enqueued += _push(conn, keys, queue, name, batch)
-    return summary
+            item.prompt.input_ids = ids
+        yield item, todo
 
 
-def _job_data(queue: Queue, keys: Keys, settings: datasets.DatasetSettings, item: Row, sample: int) -> Any:
-    params = dict(settings.sampling_params)
-    if settings.samples > 1:
-        params["sampling_seed"] = params.get("sampling_seed", 0) + sample
-    spec = JobSpec(
-        dataset=settings.name,
-        row=item.row,
-        sample=sample,
-        id=record_id(settings.name, item.row, sample, settings.samples),
-        sampling_params=params,
-        input_ids=item.prompt.input_ids,
-        text=item.prompt.text,
-        source_id=item.prompt.source_id,
-    )
-    return queue.prepare_data(
-        JOB_FUNC,
-        kwargs=spec.to_kwargs(),
-        job_id=keys.job_id(spec.id),
-        description=f"{settings.name} row {item.row}" + (f" sample {sample}" if settings.samples > 1 else ""),
-        timeout=-1,  # the worker enforces deadlines that follow max_new_tokens (decision 8)
-        result_ttl=RESULT_TTL_S,
-        retry=Retry(max=ABANDON_REQUEUES),
-    )
+class _Pusher:
+    """Builds job payloads and pushes them in MULTI batches, waiting for room with ``max_queued``."""
+
+    def __init__(
+        self,
+        conn: redis.Redis,
+        keys: Keys,
+        settings: datasets.DatasetSettings,
+        options: Options,
+        expected_rows: int | None,
+    ):
+        self.conn, self.keys, self.settings, self.options = conn, keys, settings, options
+        self.queue = Queue(keys.queue_name(settings.name), connection=conn, serializer="json")
+        self.size = BATCH if options.max_queued is None else max(1, min(BATCH, options.max_queued // 2))
+        self.expected_jobs = expected_rows * settings.samples if expected_rows is not None else None
+        self.batch: list[tuple[int, Any]] = []
+
+    def add(self, item: Row, sample: int) -> int:
+        """Queue one job for the next push; returns how many jobs were pushed now."""
+        index = bit_index(item.row, sample, self.settings.samples)
+        self.batch.append((index, self._job_data(item, sample)))
+        return self.flush() if len(self.batch) >= self.size else 0
+
+    def flush(self) -> int:
+        if not self.batch:
+            return 0
+        batch, self.batch = self.batch, []
+        if self.options.max_queued is not None:
+            while self.conn.llen(self.queue.key) + len(batch) > self.options.max_queued:
+                time.sleep(POLL_S)
+        name = self.settings.name
+        with self.conn.pipeline(transaction=True) as pipe:
+            self.queue.enqueue_many([data for _, data in batch], pipeline=pipe)
+            for index, _ in batch:
+                pipe.setbit(self.keys.enqueued(name), index, 1)
+            if self.expected_jobs is not None:
+                # Jobs of the rows after this batch: still in the files (`genq status` counts them queued).
+                left = max(0, self.expected_jobs - batch[-1][0] - 1)
+                pipe.hset(self.keys.in_source, name, left)
+            pipe.execute()
+        return len(batch)
+
+    def _job_data(self, item: Row, sample: int) -> Any:
+        settings, options, prompt = self.settings, self.options, item.prompt
+        params = dict(settings.sampling_params)
+        if settings.samples > 1:
+            params["sampling_seed"] = params.get("sampling_seed", 0) + sample
+        if item.max_new_tokens is not None:
+            params["max_new_tokens"] = item.max_new_tokens
+        spec = JobSpec(
+            dataset=settings.name,
+            row=item.row,
+            sample=sample,
+            id=record_id(settings.name, item.row, sample, settings.samples),
+            sampling_params=params,
+            input_ids=prompt.input_ids,
+            text=prompt.text if prompt.input_ids is None else None,
+            source_id=prompt.source_id,
+            messages=prompt.messages if options.keep_prompt else None,
+            think=options.think,
+            keep_prompt=options.keep_prompt or None,
+        )
+        described = f"{settings.name} row {item.row}" + (f" sample {sample}" if settings.samples > 1 else "")
+        return self.queue.prepare_data(
+            JOB_FUNC,
+            kwargs=spec.to_kwargs(),
+            job_id=self.keys.job_id(spec.id),
+            description=described,
+            timeout=-1,  # the worker enforces deadlines that follow max_new_tokens (decision 8)
+            result_ttl=RESULT_TTL_S,
+            retry=Retry(max=ABANDON_REQUEUES),
+        )
 
 
-def _push(conn: redis.Redis, keys: Keys, queue: Queue, dataset: str, batch: list[tuple[int, Any]]) -> int:
-    with conn.pipeline(transaction=True) as pipe:
-        queue.enqueue_many([data for _, data in batch], pipeline=pipe)
-        for index, _ in batch:
-            pipe.setbit(keys.enqueued(dataset), index, 1)
-        pipe.execute()
-    return len(batch)
-
-
-def enqueue_files(
+def enqueue_dataset(
     conn: redis.Redis,
     keys: Keys,
     paths: list[Path],
     dataset: str,
     sampling_params: dict[str, Any],
     samples: int,
+    options: Options,
     replace_settings: bool = False,
-    context_length: int | None = None,
+    report: Report = lambda line: None,
 ) -> Summary:
-    """Register the dataset's settings (decision 12), then enqueue its files."""
-    for path in paths:
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such file")
-    wanted = datasets.settings_for(dataset, paths, sampling_params, samples)
+    """Register the dataset's settings (decision 12), then enqueue its sources.
+
+    With ``max_queued`` the sources are counted first (cheaply: Parquet and saved datasets from
+    their metadata, JSON Lines by counting lines) so `genq status` shows the full total at once.
+    """
+    wanted = datasets.settings_for(dataset, paths, sampling_params, samples, options.prompting())
     settings = datasets.register(conn, keys, wanted, replace=replace_settings)
-    return enqueue_rows(conn, keys, settings, read_files(paths), context_length)
+    expected = None
+    if options.max_queued is not None:
+        expected = sum(sources.count(path, options.split) for path in paths)
+        report(f"{dataset}: {expected} rows in its sources; at most {options.max_queued} jobs queued at once")
+    rows = read_dataset(paths, options.shape, options.split, report)
+    return enqueue_rows(conn, keys, settings, rows, options, expected, report)

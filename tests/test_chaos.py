@@ -48,7 +48,7 @@ def test_chaos(procs: Procs, start_sim, tmp_path, namespace, report):
         "--latency",
         "realistic",
         "--decode-step-ms",
-        "8",
+        "6",
         "--min-len",
         "16",
         "--max-len",
@@ -153,14 +153,14 @@ def test_chaos(procs: Procs, start_sim, tmp_path, namespace, report):
     )
     assert status["stream"]["length"] == 0
 
-    sim = server_stats
-    wasted = sim["generations"] - len(records)
-    wasted_tokens = sim["tokens_generated"] - sum(r["completion_tokens"] for r in records)
+    stats = server_stats
+    wasted = stats["generations"] - len(records)
+    wasted_tokens = stats["tokens_generated"] - sum(r["completion_tokens"] for r in records)
     report(
         f"chaos: {N} prompts, {len(records)} records, {len(errors)} errors; the simulator finished "
-        f"{sim['generations']} generations: {wasted} ({wasted / len(records):.1%}) did not become "
-        f"the record; {wasted_tokens} of {sim['tokens_generated']} decode tokens "
-        f"({wasted_tokens / sim['tokens_generated']:.1%}) wasted; records that needed a retry: "
+        f"{stats['generations']} generations: {wasted} ({wasted / len(records):.1%}) did not become "
+        f"the record; {wasted_tokens} of {stats['tokens_generated']} decode tokens "
+        f"({wasted_tokens / stats['tokens_generated']:.1%}) wasted; records that needed a retry: "
         f"{sum(1 for r in records if r['attempts'] > 1)}"
     )
 

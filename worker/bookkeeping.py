@@ -73,6 +73,7 @@ class Bookkeeper(BaseWorker):
         self.set_state(WorkerStatus.IDLE)
 
     def stop(self) -> None:
+        self.connection.delete(self.keys.retrying(self.name))
         self.register_death()
 
     def refresh_queues(self) -> None:
@@ -118,7 +119,11 @@ class Bookkeeper(BaseWorker):
                 if job is None:
                     # Its hash is gone (deleted by hand, or expired): there is nothing to run, and
                     # `genq status` will show the job as unaccounted for.
-                    log.warning("job %s was queued but no longer exists in Redis: skipped", job_id)
+                    log.warning(
+                        "job %s was queued but no longer exists in Redis: skipped",
+                        job_id,
+                        extra={"job_id": job_id, "worker": self.name},
+                    )
                     continue
                 if "unserialized" in job.meta:
                     # `rq info` or rq-dashboard without the JSON serializer re-saved the meta as
@@ -128,7 +133,12 @@ class Bookkeeper(BaseWorker):
                 try:
                     spec = JobSpec.from_kwargs(job.kwargs)
                 except Exception as exc:  # noqa: BLE001 - a payload we cannot read fails, loudly
-                    log.error("job %s: unreadable payload (%s); failing it", job_id, exc)
+                    log.error(
+                        "job %s: unreadable payload (%s); failing it",
+                        job_id,
+                        exc,
+                        extra={"job_id": job_id, "worker": self.name},
+                    )
                     self._fail_unreadable(job, queue, str(exc))
                     continue
                 execution = Execution.create(job, self.heartbeat_ttl, pipeline=pipe, worker_name=self.name)
@@ -161,6 +171,40 @@ class Bookkeeper(BaseWorker):
             self.heartbeat(ttl + 60)
         else:
             self.set_current_job_id(taken[-1].job.id)
+
+    def report(self, in_flight: int, retrying: dict[str, int], retries: int) -> None:
+        """genq's fields in the RQ worker hash, next to RQ's job counts, for status and monitor; and
+        the per-dataset retrying counts rewritten whole (they survive a Redis restart this way)."""
+        key = self.keys.retrying(self.name)
+        waiting = {dataset: n for dataset, n in retrying.items() if n}
+        with self.connection.pipeline() as pipe:
+            pipe.hset(
+                self.key,
+                mapping={
+                    "genq_in_flight": in_flight,
+                    "genq_retrying": sum(waiting.values()),
+                    "genq_retries": retries,
+                },
+            )
+            pipe.expire(self.key, self.heartbeat_ttl + 60)  # as RQ's own heartbeat does
+            pipe.delete(key)
+            if waiting:
+                pipe.hset(key, mapping=waiting)
+                pipe.expire(key, self.heartbeat_ttl)
+            pipe.execute()
+
+    def set_retrying(self, dataset: str, count: int) -> None:
+        """Jobs of ``dataset`` this worker holds between two attempts: status counts them as
+        retrying, not in flight. If the worker dies the key lapses when its executions do (the
+        heartbeat TTL), so the count never outlives the jobs it describes."""
+        key = self.keys.retrying(self.name)
+        with self.connection.pipeline() as pipe:
+            if count:
+                pipe.hset(key, dataset, count)
+            else:
+                pipe.hdel(key, dataset)
+            pipe.expire(key, self.heartbeat_ttl)
+            pipe.execute()
 
     def attempt(self, job_id: str, delta: int = 1) -> int:
         """Count an attempt in Redis, so the budget holds across workers."""

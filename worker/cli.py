@@ -7,8 +7,10 @@ import asyncio
 import click
 
 from genq.keys import Keys
-from genq.logs import setup_logging
+from genq.logs import log_format_option, setup_logging
+from genq.metrics import metrics_options, serve
 from genq.settings import connect, option, redis_options
+from worker import metrics
 from worker.daemon import Worker, WorkerConfig
 
 
@@ -47,6 +49,8 @@ from worker.daemon import Worker, WorkerConfig
 )
 @option("--burst", is_flag=True, help="Exit once the queues are empty and nothing is in flight.")
 @option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
+@log_format_option
+@metrics_options
 @redis_options
 def worker_command(
     server,
@@ -58,6 +62,9 @@ def worker_command(
     stream_limit,
     burst,
     log_level,
+    log_format,
+    metrics_port,
+    metrics_bind,
     redis_url,
     namespace,
 ):
@@ -66,7 +73,8 @@ def worker_command(
     SIGTERM drains: no new jobs, in-flight ones finish (up to --grace), the rest go back to
     the queue, exit 0. A second signal exits at once.
     """
-    setup_logging(log_level)
+    setup_logging(log_level, log_format)
+    serve(metrics_port, metrics_bind, metrics.REGISTRY)
     config = WorkerConfig(
         server=server,
         concurrency=concurrency,

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import redis
 
 from genq.keys import Keys
 from genq.schema import error_record
+from worker import metrics
 from worker.bookkeeping import Bookkeeper, Taken
 from worker.client import SGLangClient
 from worker.errors import AttemptError, backoff
@@ -30,6 +32,7 @@ from worker.record import build_record
 log = logging.getLogger("genq.worker")
 T = TypeVar("T")
 HEALTH_EVERY_S = 10.0
+REPORT_EVERY_S = 2.0
 
 
 @dataclass
@@ -68,6 +71,15 @@ class Worker:
         self._server_failures = 0
         self._signals = 0
         self._background: list[asyncio.Task] = []
+        self._retrying: Counter[str] = Counter()  # per dataset, jobs between two attempts
+        self._retries = 0
+
+    def _ctx(self, t: Taken | None = None) -> dict[str, Any]:
+        """The context of a log line (fields of --log-format json)."""
+        ctx: dict[str, Any] = {"worker": self.books.name}
+        if t is not None:
+            ctx.update(job_id=t.job.id, dataset=t.spec.dataset)
+        return ctx
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -79,7 +91,13 @@ class Worker:
             try:
                 return await loop.run_in_executor(self._redis_thread, fn, *args)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("Redis unreachable (%s); retrying %s in %.1f s", exc, fn.__name__, delay)
+                log.warning(
+                    "Redis unreachable (%s); retrying %s in %.1f s",
+                    exc,
+                    fn.__name__,
+                    delay,
+                    extra=self._ctx(),
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
 
@@ -91,12 +109,15 @@ class Worker:
                 self.books.name,
                 len(self._in_flight),
                 self.config.grace,
+                extra=self._ctx(),
             )
             self._stopping.set()
             self._slot_freed.set()
         else:
             log.warning(
-                "worker %s: second signal, stopping at once; RQ requeues what was in flight", self.books.name
+                "worker %s: second signal, stopping at once; RQ requeues what was in flight",
+                self.books.name,
+                extra=self._ctx(),
             )
             os._exit(1)
 
@@ -112,6 +133,10 @@ class Worker:
             self.books.name,
             self.config.server,
             self.config.concurrency,
+            extra={**self._ctx(), "server": self.config.server},
+        )
+        metrics.watch(
+            lambda: len(self._in_flight), lambda: sum(self._retrying.values()), self._server_up.is_set
         )
         async with SGLangClient(self.config.server, self.config.concurrency) as client:
             self.client = client
@@ -119,6 +144,7 @@ class Worker:
                 asyncio.create_task(self._heartbeats()),
                 asyncio.create_task(self._maintenance()),
                 asyncio.create_task(self._watch_health()),
+                asyncio.create_task(self._reports()),
             ]
             try:
                 await self._take_loop()
@@ -128,7 +154,7 @@ class Worker:
                     task.cancel()
                 await self.redis(self.books.stop)
         self._redis_thread.shutdown(wait=True)
-        log.info("worker %s: stopped", self.books.name)
+        log.info("worker %s: stopped", self.books.name, extra=self._ctx())
 
     async def _take_loop(self) -> None:
         idle_polls = 0
@@ -146,7 +172,7 @@ class Worker:
                 idle_polls = 0
                 continue
             if self.config.burst and not self._in_flight and await self._all_done():
-                log.info("worker %s: burst: nothing queued or in flight", self.books.name)
+                log.info("worker %s: burst: nothing queued or in flight", self.books.name, extra=self._ctx())
                 return
             idle_polls += 1
             if idle_polls % 20 == 0:
@@ -169,6 +195,7 @@ class Worker:
             "result stream holds %d entries (limit %d): waiting for the collector",
             length,
             self.config.stream_limit,
+            extra=self._ctx(),
         )
         await asyncio.sleep(2)
         return False
@@ -182,6 +209,7 @@ class Worker:
                 "job %s: unexpected error, it will run again after the heartbeat TTL",
                 taken.job.id,
                 exc_info=task.exception(),
+                extra=self._ctx(taken),
             )
 
     async def _drain(self) -> None:
@@ -198,7 +226,12 @@ class Worker:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         await self.redis(self.books.requeue, left)
-        log.info("worker %s: grace over, put %d jobs back on their queues", self.books.name, len(left))
+        log.info(
+            "worker %s: grace over, put %d jobs back on their queues",
+            self.books.name,
+            len(left),
+            extra=self._ctx(),
+        )
 
     # -- one job ----------------------------------------------------------------------------
 
@@ -226,9 +259,11 @@ class Worker:
                 return
             rid = f"{job_id}-a{attempt}"
             body["rid"] = rid
+            sent = time.monotonic()
             try:
                 response = await self.client.generate(body, timeout)
             except AttemptError as exc:
+                metrics.attempt(time.monotonic() - sent, exc)
                 last = exc
                 if exc.kind == "timeout":
                     await self.client.abort(rid)
@@ -244,6 +279,7 @@ class Worker:
                     await self.redis(self.books.attempt, job_id, -1)
                     self._note_server_failure(f"{exc}")
                 failures += 1
+                self._retries += 1
                 delay = backoff(failures, self.config.backoff_base, self.config.backoff_cap, exc.retry_after)
                 log.info(
                     "job %s (%s): attempt %d failed: %s; retrying in %.1f s",
@@ -252,12 +288,14 @@ class Worker:
                     attempt,
                     exc,
                     delay,
+                    extra={**self._ctx(t), "attempt": attempt, "error": exc.kind, "delay_s": round(delay, 2)},
                 )
-                await asyncio.sleep(delay)
+                await self._wait_to_retry(spec.dataset, delay)
                 continue
             except asyncio.CancelledError:
                 await self.client.abort(rid)
                 raise
+            metrics.attempt(time.monotonic() - sent, None)
             self._server_failures = 0
             record = build_record(
                 spec.id,
@@ -270,11 +308,28 @@ class Worker:
             )
             t.finishing = True
             await self.redis(self.books.succeed, t, record)
+            metrics.finished(spec.dataset, record)
             return
+
+    async def _wait_to_retry(self, dataset: str, delay: float) -> None:
+        """Back off (and wait for a server that is down): meanwhile the job counts as retrying."""
+        self._retrying[dataset] += 1
+        await self.redis(self.books.set_retrying, dataset, self._retrying[dataset])
+        try:
+            await asyncio.sleep(delay)
+            await self._server_up.wait()
+        finally:
+            self._retrying[dataset] -= 1
+            await self.redis(self.books.set_retrying, dataset, self._retrying[dataset])
 
     async def _fail(self, t: Taken, exc: AttemptError, attempts: int) -> None:
         log.warning(
-            "job %s (%s): failed for good after %d attempts: %s", t.job.id, t.spec.dataset, attempts, exc
+            "job %s (%s): failed for good after %d attempts: %s",
+            t.job.id,
+            t.spec.dataset,
+            attempts,
+            exc,
+            extra={**self._ctx(t), "attempt": attempts, "error": exc.kind},
         )
         error = error_record(
             id=t.spec.id,
@@ -288,13 +343,19 @@ class Worker:
         )
         t.finishing = True
         await self.redis(self.books.fail, t, error)
+        metrics.finished(t.spec.dataset, None)
 
     def _note_server_failure(self, why: str) -> None:
         """Decision 7: a server that is down gets probed, not fed jobs (nor burns their attempts)."""
         self._server_failures += 1
         if self._server_failures >= self.config.down_after and self._server_up.is_set():
             self._server_up.clear()
-            log.warning("server %s looks down (%s); taking no jobs, probing /health", self.config.server, why)
+            log.warning(
+                "server %s looks down (%s); taking no jobs, probing /health",
+                self.config.server,
+                why,
+                extra={**self._ctx(), "server": self.config.server},
+            )
             self._background.append(asyncio.create_task(self._probe_until_up()))
 
     async def _probe_until_up(self) -> None:
@@ -302,7 +363,11 @@ class Worker:
         while not await self.client.healthy():
             await asyncio.sleep(delay)
             delay = min(delay * 2, 30.0)
-        log.info("server %s is up again; resuming", self.config.server)
+        log.info(
+            "server %s is up again; resuming",
+            self.config.server,
+            extra={**self._ctx(), "server": self.config.server},
+        )
         self._server_failures = 0
         self._server_up.set()
 
@@ -320,6 +385,12 @@ class Worker:
         while True:
             await asyncio.sleep(interval)
             await self.redis(self.books.heartbeat_all, list(self._in_flight.values()))
+
+    async def _reports(self) -> None:
+        """genq's own numbers (in flight, retrying) for status and monitor, every few seconds."""
+        while True:
+            await self.redis(self.books.report, len(self._in_flight), dict(self._retrying), self._retries)
+            await asyncio.sleep(REPORT_EVERY_S)
 
     async def _maintenance(self) -> None:
         interval = max(2.0, self.config.heartbeat_ttl / 4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from genq.schema import SCHEMA_VERSION, JobSpec, now_iso
+from worker.reasoning import split
 
 
 def build_record(
@@ -20,6 +21,15 @@ def build_record(
     meta = response["meta_info"]
     finish = meta["finish_reason"]
     text = response.get("text")
+    reasoning, content = None, text
+    extra: dict[str, Any] = {}
+    if spec.think:
+        parts = split(spec.think, response["output_ids"], text, spec.input_ids, spec.text)
+        reasoning, content = parts.reasoning, parts.content
+        extra["reasoning_tokens"] = parts.reasoning_tokens
+    if spec.keep_prompt:  # what exports need: the prompt ids (eagle3) and conversation (sharegpt)
+        extra["input_ids"] = spec.input_ids
+        extra["messages"] = spec.messages or ([{"role": "user", "content": spec.text}] if spec.text else None)
     return {
         "id": record_id,
         "dataset": spec.dataset,
@@ -31,8 +41,8 @@ def build_record(
         "cached_tokens": meta.get("cached_tokens"),
         "output_ids": response["output_ids"],
         "text": text,
-        "reasoning": None,
-        "content": text,
+        "reasoning": reasoning,
+        "content": content,
         "finish_reason": finish["type"],
         "matched_stop": finish.get("matched"),
         "latency_s": round(latency_s, 4),
@@ -42,4 +52,5 @@ def build_record(
         "sampling_params": spec.sampling_params,
         "finished_at": now_iso(),
         "schema": SCHEMA_VERSION,
+        **extra,
     }

@@ -1,0 +1,216 @@
+"""`genq export`: training files made from what the collector wrote, which it only reads.
+
+- ``eagle3``: ``tokenized_data.jsonl``, ``input_ids`` = prompt ids + output ids and ``loss_mask`` = 0
+  over the prompt, 1 over the output (EAGLE-3 drafter training). The prompt ids come from the record
+  (kept by ``enqueue``, the default) and must match its ``prompt_tokens``.
+- ``sharegpt``: ``sharegpt.jsonl``, ``conversations`` of ``{"from", "value"}``: the prompt conversation
+  and the regenerated ``gpt`` turn.
+- ``messages``: ``messages.jsonl``, OpenAI-style ``messages`` likewise.
+
+Records are streamed line by line; a line still being written (no newline yet) is left for the next
+export. Besides genq's records, the older shapes users have on disk are read too: OpenAI chat
+completions (``choices[0].message``) and pre-tokenized rows (``input_ids`` + ``loss_mask``). Every
+record left out is counted with its reason. Each file is written aside and renamed into place, so
+an export cut short never looks finished.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+
+from collector.files import RAW
+from genq.settings import option
+
+FILES = {"eagle3": "tokenized_data.jsonl", "sharegpt": "sharegpt.jsonl", "messages": "messages.jsonl"}
+SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
+
+
+@dataclass
+class Exported:
+    path: Path
+    written: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class _View:
+    """What an export needs of one record, whatever its shape."""
+
+    id: Any
+    prompt_ids: list[int] | None
+    output_ids: list[int] | None
+    prompt_tokens: int | None
+    messages: list[dict[str, Any]] | None
+    content: str | None
+    reasoning: str | None
+    finish: str | None
+    loss_mask: list[int] | None = None  # a pre-tokenized row: already in eagle3 shape
+
+
+def export_dataset(
+    raw: Path, out: Path, fmt: str, reasoning_content: bool = False, include_truncated: bool = False
+) -> Exported:
+    """Write ``out`` from ``raw`` (a raw_responses.jsonl) in format ``fmt``."""
+    result = Exported(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".part")
+    with tmp.open("wb") as fh:
+        for record in _records(raw):
+            view = _view(record)
+            if view is None:
+                result.skipped["not a record genq knows (no output_ids, choices or input_ids)"] += 1
+                continue
+            if view.finish == "length" and not include_truncated:
+                result.skipped["truncated (finish_reason length; --include-truncated keeps them)"] += 1
+                continue
+            row = _eagle3(view) if fmt == "eagle3" else _chat(view, fmt, reasoning_content)
+            if isinstance(row, str):
+                result.skipped[row] += 1
+                continue
+            fh.write(orjson.dumps(row) + b"\n")
+            result.written += 1
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out)
+    return result
+
+
+def _records(raw: Path) -> Iterator[dict[str, Any]]:
+    with raw.open("rb") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.endswith(b"\n"):
+                return  # the collector is writing it: the next export takes it
+            if line.strip():
+                try:
+                    yield orjson.loads(line)
+                except orjson.JSONDecodeError as exc:
+                    raise click.ClickException(f"{raw}:{line_no}: malformed JSON: {exc}") from exc
+
+
+def _view(record: dict[str, Any]) -> _View | None:
+    if "output_ids" in record:  # genq's own records
+        return _View(
+            record.get("id"),
+            record.get("input_ids"),
+            record["output_ids"],
+            record.get("prompt_tokens"),
+            record.get("messages"),
+            record.get("content"),
+            record.get("reasoning"),
+            record.get("finish_reason"),
+        )
+    choices = record.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):  # OpenAI chat completion
+        message = choices[0].get("message") or {}
+        usage = record.get("usage") or {}
+        return _View(
+            record.get("id"),
+            None,
+            None,
+            usage.get("prompt_tokens"),
+            record.get("messages"),
+            message.get("content"),
+            message.get("reasoning_content") or message.get("reasoning"),
+            choices[0].get("finish_reason"),
+        )
+    if "input_ids" in record and "loss_mask" in record:  # pre-tokenized training rows
+        ids = record["input_ids"]
+        return _View(record.get("id"), ids, None, None, None, None, None, None, record["loss_mask"])
+    return None
+
+
+def _eagle3(view: _View) -> dict[str, Any] | str:
+    """prompt ids + output ids, loss on the output only; or why the record cannot be exported."""
+    if view.loss_mask is not None:
+        if not isinstance(view.prompt_ids, list) or len(view.loss_mask) != len(view.prompt_ids):
+            return "input_ids and loss_mask of different lengths"
+        return {"id": view.id, "input_ids": view.prompt_ids, "loss_mask": view.loss_mask}
+    if view.output_ids is None:
+        return "no output_ids (an OpenAI-style record: text only)"
+    if view.prompt_ids is None:
+        return "no prompt input_ids in the record (enqueued with --no-keep-prompt, or by an older genq)"
+    if view.prompt_tokens is not None and len(view.prompt_ids) != view.prompt_tokens:
+        return "prompt input_ids do not match the server's prompt_tokens"
+    return {
+        "id": view.id,
+        "input_ids": view.prompt_ids + view.output_ids,
+        "loss_mask": [0] * len(view.prompt_ids) + [1] * len(view.output_ids),
+    }
+
+
+def _chat(view: _View, fmt: str, reasoning_content: bool) -> dict[str, Any] | str:
+    """The prompt conversation and the regenerated assistant turn; or why not."""
+    if not view.messages:
+        return "no prompt conversation in the record (pre-tokenized rows, or --no-keep-prompt)"
+    if view.content is None:
+        return "no answer after the reasoning (the thought never ended)"
+    answer: dict[str, Any] = {"role": "assistant", "content": view.content}
+    if reasoning_content and view.reasoning is not None:
+        answer["reasoning_content"] = view.reasoning
+    turns = [*view.messages, answer]
+    if fmt == "messages":
+        return {"id": view.id, "messages": turns}
+    conversations = []
+    for turn in turns:
+        shared = {"from": SHAREGPT_FROM.get(turn["role"], turn["role"]), "value": turn.get("content")}
+        if "reasoning_content" in turn:
+            shared["reasoning_content"] = turn["reasoning_content"]
+        conversations.append(shared)
+    return {"id": view.id, "conversations": conversations}
+
+
+@click.command("export")
+@click.argument("out_dir", metavar="DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@option(
+    "--format",
+    "fmt",
+    env="GENQ_EXPORT_FORMAT",
+    type=click.Choice(list(FILES)),
+    required=True,
+    help="What to write.",
+)
+@option(
+    "--out",
+    "export_dir",
+    env="GENQ_EXPORT_OUT",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Write under this folder (default: DIR), one subfolder per dataset.",
+)
+@option("--dataset", default=None, help="Only this dataset (default: every folder of DIR with results).")
+@option("--reasoning-content", is_flag=True, help="Keep the reasoning as the answer's reasoning_content.")
+@option("--include-truncated", is_flag=True, help="Also export outputs cut by max_new_tokens.")
+def export_command(
+    out_dir: Path,
+    fmt: str,
+    export_dir: Path | None,
+    dataset: str | None,
+    reasoning_content: bool,
+    include_truncated: bool,
+) -> None:
+    """Training files from DIR/<dataset>/raw_responses.jsonl, which is only read.
+
+    eagle3: tokenized_data.jsonl (input_ids, loss_mask); sharegpt: sharegpt.jsonl; messages:
+    messages.jsonl. Records left out are counted with the reason.
+    """
+    names = [dataset] if dataset else sorted(p.parent.name for p in out_dir.glob(f"*/{RAW}"))
+    if not names:
+        raise click.ClickException(f"{out_dir}: no <dataset>/{RAW} in it")
+    for name in names:
+        raw = out_dir / name / RAW
+        if not raw.is_file():
+            raise click.ClickException(f"{raw}: no such file")
+        result = export_dataset(
+            raw, (export_dir or out_dir) / name / FILES[fmt], fmt, reasoning_content, include_truncated
+        )
+        click.echo(f"{name}: wrote {result.written} to {result.path}")
+        for reason, n in result.skipped.most_common():
+            click.echo(f"{name}: left out {n}: {reason}", err=True)

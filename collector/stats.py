@@ -1,0 +1,324 @@
+"""`genq stats DIR`: what an output folder holds, from the files alone (no Redis).
+
+Any folder, genq's or another tool's: every ``*.jsonl`` under DIR is read, and a file's dataset
+is its folder (``DIR/<dataset>/raw_responses.jsonl``; files directly in DIR belong to DIR's own
+name). Each line goes to the first reader that knows its shape:
+
+- ``genq``:      genq's records (``schema``, top-level ``prompt_tokens`` / ``completion_tokens``)
+- ``error``:     a failure (genq's ``errors.jsonl``, or any line whose ``error`` is set)
+- ``openai``:    chat completions, ``usage.{prompt,completion}_tokens``, ``choices[0]``
+- ``generate``:  SGLang ``/generate`` results, token counts in ``meta_info`` or at the top level
+- ``tokenized``: ``input_ids`` with ``loss_mask``: completion tokens are those under a 1
+
+A line no reader knows, or a known shape without its token counts, is counted as unrecognized
+and reported with ``file:line`` — never read as zero tokens (a stats script that silently reported
+zero tokens after a format change is why this exists).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from genq.settings import option
+
+MAX_EXAMPLES = 5
+
+
+@dataclass
+class Rec:
+    """The numbers of one record, whatever its shape."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None = None
+    latency_s: float | None = None
+
+
+class Unreadable(Exception):
+    """A line of a known shape whose numbers cannot be found."""
+
+
+# -- readers: each returns None when the line is not its shape ---------------------------------
+
+
+def _dig(obj: Any, *path: str | int) -> Any:
+    for step in path:
+        if isinstance(step, int):
+            obj = obj[step] if isinstance(obj, list) and len(obj) > step else None
+        else:
+            obj = obj.get(step) if isinstance(obj, dict) else None
+    return obj
+
+
+def _count(value: Any, shape: str, name: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise Unreadable(f"{shape} record without an integer {name}")
+
+
+def _finish(value: Any) -> str | None:
+    """``"stop"``, or SGLang's ``{"type": "stop", ...}``."""
+    value = value.get("type") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
+
+
+def _latency(*candidates: Any) -> float | None:
+    for value in candidates:
+        if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+            return float(value)
+    return None
+
+
+def read_genq(obj: dict) -> Rec | None:
+    if not isinstance(obj.get("schema"), int) or "id" not in obj or obj.get("error"):
+        return None
+    return Rec(
+        _count(obj.get("prompt_tokens"), "genq", "prompt_tokens"),
+        _count(obj.get("completion_tokens"), "genq", "completion_tokens"),
+        _finish(obj.get("finish_reason")),
+        _latency(obj.get("latency_s")),
+    )
+
+
+def read_openai(obj: dict) -> Rec | None:
+    if not isinstance(obj.get("choices"), list):
+        return None
+    return Rec(
+        _count(_dig(obj, "usage", "prompt_tokens"), "openai", "usage.prompt_tokens"),
+        _count(_dig(obj, "usage", "completion_tokens"), "openai", "usage.completion_tokens"),
+        _finish(_dig(obj, "choices", 0, "finish_reason")),
+        _latency(obj.get("latency_s"), obj.get("latency")),
+    )
+
+
+def read_generate(obj: dict) -> Rec | None:
+    meta = obj.get("meta_info")
+    if isinstance(meta, dict):
+        where, src = "meta_info.", meta
+    elif "completion_tokens" in obj:
+        where, src = "", obj
+    else:
+        return None
+    return Rec(
+        _count(src.get("prompt_tokens"), "generate", where + "prompt_tokens"),
+        _count(src.get("completion_tokens"), "generate", where + "completion_tokens"),
+        _finish(src.get("finish_reason") or obj.get("finish_reason")),
+        _latency(obj.get("latency_s"), src.get("e2e_latency"), obj.get("latency")),
+    )
+
+
+def read_tokenized(obj: dict) -> Rec | None:
+    ids, mask = obj.get("input_ids"), obj.get("loss_mask")
+    if ids is None or mask is None:
+        return None
+    if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+        raise Unreadable("tokenized row whose input_ids and loss_mask are not lists of one length")
+    completion = sum(1 for m in mask if m == 1)
+    return Rec(len(ids) - completion, completion)
+
+
+READERS: list[tuple[str, Callable[[dict], Rec | None]]] = [
+    ("genq", read_genq),
+    ("openai", read_openai),
+    ("generate", read_generate),
+    ("tokenized", read_tokenized),
+]
+
+
+def error_class(obj: dict) -> str | None:
+    """The class of a failure line (genq's ``error`` string, or an API's ``{"error": {...}}``)."""
+    error = obj.get("error")
+    if not error:
+        return None
+    if isinstance(error, dict):
+        return str(error.get("type") or error.get("code") or "error")
+    return str(error)
+
+
+# -- one dataset --------------------------------------------------------------------------------
+
+
+@dataclass
+class DatasetStats:
+    records: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    lengths: list[int] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    finish_reasons: Counter = field(default_factory=Counter)
+    shapes: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)
+    unrecognized: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def add_line(self, line: bytes, where: str) -> None:
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            return self._unrecognized(where, "not JSON")
+        if not isinstance(obj, dict):
+            return self._unrecognized(where, f"a JSON {type(obj).__name__}, not an object")
+        try:
+            for shape, reader in READERS:
+                rec = reader(obj)
+                if rec is not None:
+                    return self._add(shape, rec)
+        except Unreadable as exc:
+            return self._unrecognized(where, str(exc))
+        error = error_class(obj)
+        if error is not None:
+            self.errors[error] += 1
+            return None
+        keys = ", ".join(list(obj)[:6])
+        return self._unrecognized(where, f"unknown shape (keys: {keys})")
+
+    def _add(self, shape: str, rec: Rec) -> None:
+        self.shapes[shape] += 1
+        self.records += 1
+        self.prompt_tokens += rec.prompt_tokens
+        self.completion_tokens += rec.completion_tokens
+        self.lengths.append(rec.completion_tokens)
+        self.finish_reasons[rec.finish_reason or "unknown"] += 1
+        if rec.latency_s is not None:
+            self.latencies.append(rec.latency_s)
+
+    def _unrecognized(self, where: str, why: str) -> None:
+        self.unrecognized += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(f"{where}: {why}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "records": self.records,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "avg_completion_tokens": round(self.completion_tokens / self.records, 1)
+            if self.records
+            else None,
+            "completion_tokens_percentiles": percentiles(self.lengths),
+            "finish_reasons": dict(self.finish_reasons.most_common()),
+            "latency_s": percentiles(self.latencies),
+            "shapes": dict(self.shapes.most_common()),
+            "errors": dict(self.errors.most_common()),
+            "unrecognized": {"lines": self.unrecognized, "examples": self.examples},
+        }
+
+
+def percentiles(values: list[float]) -> dict[str, float] | None:
+    """p50/p90/p99 (inclusive method: within the data's range), min and max; None without data."""
+    if not values:
+        return None
+    cuts = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {
+        "min": min(values),
+        "p50": round(cuts[49], 3),
+        "p90": round(cuts[89], 3),
+        "p99": round(cuts[98], 3),
+        "max": max(values),
+    }
+
+
+# -- a folder -----------------------------------------------------------------------------------
+
+
+def files(root: Path) -> Iterator[tuple[str, Path]]:
+    """(dataset, file) for every ``*.jsonl`` under ``root``, hidden folders (.redis, .logs) aside."""
+    for path in sorted(root.rglob("*.jsonl")):
+        rel = path.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        folder = rel.parent.as_posix()
+        yield (root.resolve().name if folder == "." else folder), path
+
+
+def folder_stats(root: Path) -> dict[str, DatasetStats]:
+    out: dict[str, DatasetStats] = {}
+    for dataset, path in files(root):
+        stats = out.setdefault(dataset, DatasetStats())
+        shown = path.relative_to(root).as_posix()
+        with path.open("rb") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if line.strip():
+                    stats.add_line(line, f"{shown}:{lineno}")
+    return out
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+@click.command("stats")
+@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def stats_command(folder: Path, as_json: bool) -> None:
+    """Per dataset in FOLDER, from the files alone: records, tokens, completion length percentiles,
+    finish reasons, latency; genq's records and other tools' shapes alike. Lines of an unknown
+    shape are counted and shown with file:line, never counted as zero tokens."""
+    stats = folder_stats(folder)
+    data = {"datasets": {name: s.as_dict() for name, s in stats.items()}}
+    if as_json:
+        click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+        return
+    console = Console()
+    if not stats:
+        console.print(f"no *.jsonl files under {folder}")
+        return
+    console.print(_table(data["datasets"]))
+    for name, d in data["datasets"].items():
+        details = [f"finish: {_pairs(d['finish_reasons'])}", f"shapes: {_pairs(d['shapes'])}"]
+        if d["latency_s"]:
+            lat = d["latency_s"]
+            details.append(f"latency s p50 {lat['p50']:.2f} p90 {lat['p90']:.2f} p99 {lat['p99']:.2f}")
+        if d["errors"]:
+            details.append(f"errors: {_pairs(d['errors'])}")
+        console.print(f"[bold]{name}[/bold]  " + " · ".join(details), highlight=False, soft_wrap=True)
+        if d["unrecognized"]["lines"]:
+            console.print(
+                f"  [yellow]{d['unrecognized']['lines']} unrecognized lines (not counted), e.g.[/yellow]",
+                highlight=False,
+            )
+            for example in d["unrecognized"]["examples"]:
+                console.print(f"    {example}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _pairs(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v:,}" for k, v in counts.items()) or "-"
+
+
+def _table(datasets: dict[str, dict[str, Any]]) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col in (
+        "dataset",
+        "records",
+        "prompt",
+        "completion",
+        "avg",
+        "p50",
+        "p90",
+        "p99",
+        "length",
+        "unrecog.",
+    ):
+        table.add_column(col, justify="left" if col == "dataset" else "right", no_wrap=True)
+    for name, d in datasets.items():
+        pct = d["completion_tokens_percentiles"] or {}
+        table.add_row(
+            name,
+            f"{d['records']:,}",
+            f"{d['prompt_tokens']:,}",
+            f"{d['completion_tokens']:,}",
+            f"{d['avg_completion_tokens']:,.0f}" if d["avg_completion_tokens"] is not None else "-",
+            *(f"{pct[p]:,.0f}" if pct else "-" for p in ("p50", "p90", "p99")),
+            f"{d['finish_reasons'].get('length', 0):,}",
+            f"{d['unrecognized']['lines']:,}",
+        )
+    return table

@@ -1,0 +1,119 @@
+"""Token counters per dataset: written by the collector with the records, read by status and monitor.
+
+The collector is the only writer of records, so it adds each record's tokens in the same MULTI
+that marks its id done: the counters always describe exactly the records on disk. A record is
+counted when its done bit goes from 0 to 1, never twice. Completion tokens also go into 10 s
+buckets (kept an hour) for the recent rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from genq.keys import Keys
+
+BUCKET_S = 10
+KEEP_S = 3600
+WINDOW_S = 300  # "tokens/s over the last few minutes"
+MIN_SPAN_S = 2.0  # a rate over less time than this is noise, not a number
+
+
+def countable(record: dict) -> bool:
+    """Both token counts are integers: anything else is left out (and status then says unknown)."""
+    return all(
+        isinstance(record.get(k), int) and not isinstance(record.get(k), bool)
+        for k in ("prompt_tokens", "completion_tokens")
+    )
+
+
+def add(pipe, keys: Keys, dataset: str, records: list[dict], now: float | None, live: bool) -> None:
+    """Count ``records`` (newly on disk) into ``pipe``.
+
+    ``now`` (Redis time) puts their completion tokens in the recent-rate bucket; ``live`` says they
+    were written while the run went on (not found on disk at start-up), for the since-start rate.
+    """
+    records = [r for r in records if countable(r)]
+    if not records:
+        return
+    completion = sum(r["completion_tokens"] for r in records)
+    key = keys.tokens(dataset)
+    pipe.hincrby(key, "records", len(records))
+    pipe.hincrby(key, "prompt_tokens", sum(r["prompt_tokens"] for r in records))
+    pipe.hincrby(key, "completion_tokens", completion)
+    if live:
+        pipe.hincrby(key, "live_tokens", completion)
+    if now is not None:
+        pipe.hsetnx(key, "first_at", repr(now))
+        pipe.hset(key, "last_at", repr(now))
+        bucket = keys.rate_bucket(dataset, int(now // BUCKET_S))
+        pipe.incrby(bucket, completion)
+        pipe.expire(bucket, KEEP_S)
+
+
+def window_buckets(now: float) -> list[int]:
+    """The buckets of the recent-rate window ending at ``now`` (the current one included)."""
+    last = int(now // BUCKET_S)
+    return list(range(last - WINDOW_S // BUCKET_S + 1, last + 1))
+
+
+@dataclass
+class Tokens:
+    """What the counters say about one dataset; None where they cannot say."""
+
+    records: int
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    tokens_per_s: float | None  # recent, over WINDOW_S
+    tokens_per_s_since_start: float | None
+
+    @property
+    def avg_completion_tokens(self) -> float | None:
+        if not self.records or self.completion_tokens is None:
+            return None
+        return self.completion_tokens / self.records
+
+    def eta_s(self, remaining: int) -> float | None:
+        """Jobs left × average completion tokens per job / recent rate; None until both are known."""
+        if remaining == 0:
+            return 0.0
+        avg = self.avg_completion_tokens
+        if avg is None or not self.tokens_per_s:
+            return None
+        return remaining * avg / self.tokens_per_s
+
+
+def read(
+    raw: dict[bytes, bytes], buckets: list[bytes | None], done: int, finished: bool, now: float
+) -> Tokens:
+    """Interpret the ``tokens`` hash and the window's buckets of one dataset.
+
+    The counters cover the records on disk only if they counted as many records as the ``done``
+    bitmap holds (a run begun by an older genq, or a record without token counts, breaks that):
+    otherwise the totals are unknown, not a smaller number.
+    """
+    fields = {k.decode(): v.decode() for k, v in raw.items()}
+    records = int(fields.get("records", 0))
+    exact = records == done
+    first_at = float(fields["first_at"]) if "first_at" in fields else None
+    recent = since_start = None
+    if first_at is not None:
+        window_start = window_buckets(now)[0] * BUCKET_S
+        span = now - max(window_start, first_at)
+        if span >= MIN_SPAN_S:
+            recent = sum(int(b) for b in buckets if b) / span
+        end = float(fields.get("last_at", now)) if finished else now
+        if end - first_at >= MIN_SPAN_S:
+            since_start = int(fields.get("live_tokens", 0)) / (end - first_at)
+    return Tokens(
+        records=records,
+        prompt_tokens=int(fields.get("prompt_tokens", 0)) if exact else None,
+        completion_tokens=int(fields.get("completion_tokens", 0)) if exact else None,
+        tokens_per_s=recent,
+        tokens_per_s_since_start=since_start,
+    )
+
+
+def redis_now(conn) -> float:
+    """Redis's clock: the collector and status may run on hosts whose clocks disagree."""
+    sec, usec = conn.time()
+    return sec + usec / 1e6

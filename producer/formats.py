@@ -1,0 +1,244 @@
+"""Row formats: what a row of a source holds, turned into a :class:`Prompt`.
+
+- ``input_ids``: pre-tokenized, sent as is.
+- ``messages``: OpenAI style, a list of ``{"role", "content"}``.
+- ``sharegpt``: ``conversations``, a list of ``{"from", "value"}`` with ``human``/``gpt``/``system``.
+- ``prompt``: one text; ``instruction``: ``instruction`` and an optional ``input`` (Alpaca style).
+
+Regeneration semantics for conversations: the conversation up to its last user turn is the prompt;
+what follows (the assistant answers being regenerated) is dropped. ``--system-prompt`` replaces the
+system turn or adds one. With a tokenizer, text prompts become a one-turn conversation too, so every
+prompt goes through the model's chat template; without one, text is sent as ``text`` and
+conversations are refused (genq never guesses a chat template).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMATS = ("input_ids", "messages", "sharegpt", "prompt", "instruction")
+# The column each format is detected by, in the order ``auto`` tries them.
+KEY_COLUMN = {
+    "input_ids": "input_ids",
+    "messages": "messages",
+    "sharegpt": "conversations",
+    "prompt": "prompt",
+    "instruction": "instruction",
+}
+FIELDS = (
+    "id",
+    "input_ids",
+    "messages",
+    "conversations",
+    "prompt",
+    "instruction",
+    "input",
+    "system",
+    "role",
+    "content",
+    "from",
+    "value",
+)
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
+CHAT_FORMATS = ("messages", "sharegpt")
+
+
+class RowError(ValueError):
+    """A row that cannot become a job; the message names the field and what was expected."""
+
+
+class ShapeError(Exception):
+    """Rows of this format cannot be used with these settings at all (not one row's fault)."""
+
+
+@dataclass
+class Prompt:
+    """What is sent: ``input_ids``, or ``text``; ``messages`` is the conversation to render
+    (and to keep for exports, once rendered)."""
+
+    input_ids: list[int] | None = None
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    source_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How rows become prompts: the format (or ``auto``), column names, and the chat settings."""
+
+    format: str = "auto"
+    fields: dict[str, str] = field(default_factory=dict)  # genq's name -> the dataset's column
+    system_prompt: str | None = None
+    chat: bool = False  # a tokenizer renders conversations
+
+    def col(self, name: str) -> str:
+        return self.fields.get(name, name)
+
+    def detect(self, data: dict[str, Any]) -> str | None:
+        """The format of one row: the first format whose key column it has."""
+        if self.format != "auto":
+            return self.format
+        return next((f for f in FORMATS if self.col(KEY_COLUMN[f]) in data), None)
+
+    def parse(self, data: Any) -> tuple[str, Prompt]:
+        """(format, prompt) of one row; raises :class:`RowError` naming the field."""
+        if not isinstance(data, dict):
+            raise RowError(f"expected a JSON object, got {_type(data)}")
+        fmt = self.detect(data)
+        if fmt is None:
+            present = ", ".join(sorted(map(str, data))) or "none"
+            names = [repr(self.col(KEY_COLUMN[f])) for f in FORMATS]
+            wanted = ", ".join(names[:-1]) + " or " + names[-1]
+            raise RowError(f"no prompt: expected field {wanted} (fields present: {present})")
+        if self.col(KEY_COLUMN[fmt]) not in data:
+            present = ", ".join(sorted(map(str, data))) or "none"
+            raise RowError(f"field '{self.col(KEY_COLUMN[fmt])}': missing (fields present: {present})")
+        self.check_usable(fmt)
+        source_id = _source_id(data, self.col("id"))
+        if fmt == "input_ids":
+            return fmt, Prompt(input_ids=self._ids(data), source_id=source_id)
+        if fmt in CHAT_FORMATS:
+            turns = self._messages(data) if fmt == "messages" else self._sharegpt(data)
+            return fmt, Prompt(messages=self._conversation(data, turns, fmt), source_id=source_id)
+        text = self._prompt(data) if fmt == "prompt" else self._instruction(data)
+        if self.chat:
+            turns = [{"role": "user", "content": text}]
+            return fmt, Prompt(messages=self._conversation(data, turns, fmt), source_id=source_id)
+        return fmt, Prompt(text=text, source_id=source_id)
+
+    def check_usable(self, fmt: str) -> None:
+        if fmt in CHAT_FORMATS and not self.chat:
+            raise ShapeError(
+                f"format {fmt} holds conversations: give --tokenizer so they are rendered with the "
+                "model's chat template (genq does not guess one)"
+            )
+        if fmt == "input_ids" and self.system_prompt is not None:
+            raise ShapeError("format input_ids is already tokenized: --system-prompt cannot apply to it")
+
+    # -- one format each ------------------------------------------------------------------
+
+    def _ids(self, data: dict[str, Any]) -> list[int]:
+        name = self.col("input_ids")
+        ids = data[name]
+        if not isinstance(ids, list) or not ids:
+            raise RowError(f"field '{name}': expected a non-empty list of integers, got {_type(ids)}")
+        if set(map(type, ids)) == {int} and min(ids) >= 0:  # the common case, checked in C
+            return ids
+        i, tok = next((i, t) for i, t in enumerate(ids) if type(t) is not int or t < 0)
+        raise RowError(f"field '{name}'[{i}]: expected a non-negative integer, got {tok!r}")
+
+    def _prompt(self, data: dict[str, Any]) -> str:
+        return _text(data, self.col("prompt"))
+
+    def _instruction(self, data: dict[str, Any]) -> str:
+        text = _text(data, self.col("instruction"))
+        extra = data.get(self.col("input"))
+        if extra is None or extra == "":
+            return text
+        if not isinstance(extra, str):
+            raise RowError(f"field '{self.col('input')}': expected a string, got {_type(extra)}")
+        return f"{text}\n\n{extra}"
+
+    def _messages(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+        name, role, content = self.col("messages"), self.col("role"), self.col("content")
+        turns = []
+        for i, turn in enumerate(_turns(data, name)):
+            where = f"field '{name}'[{i}]"
+            if not isinstance(turn, dict):
+                raise RowError(
+                    f"{where}: expected an object with '{role}' and '{content}', not {_type(turn)}"
+                )
+            if not isinstance(turn.get(role), str) or not turn[role]:
+                raise RowError(f"{where}.{role}: expected a non-empty string, got {_type(turn.get(role))}")
+            text = turn.get(content)
+            if not isinstance(text, str) and not (text is None and turn.get("tool_calls")):
+                raise RowError(f"{where}.{content}: expected a string, got {_type(text)}")
+            rest = {k: v for k, v in turn.items() if k not in (role, content)}
+            turns.append({"role": turn[role], "content": text, **rest})
+        return turns
+
+    def _sharegpt(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+        name, speaker, value = self.col("conversations"), self.col("from"), self.col("value")
+        turns = []
+        for i, turn in enumerate(_turns(data, name)):
+            where = f"field '{name}'[{i}]"
+            if not isinstance(turn, dict):
+                raise RowError(
+                    f"{where}: expected an object with '{speaker}' and '{value}', not {_type(turn)}"
+                )
+            role = SHAREGPT_ROLES.get(turn.get(speaker)) if isinstance(turn.get(speaker), str) else None
+            if role is None:
+                known = ", ".join(SHAREGPT_ROLES)
+                raise RowError(f"{where}.{speaker}: expected one of {known}, got {turn.get(speaker)!r}")
+            if not isinstance(turn.get(value), str):
+                raise RowError(f"{where}.{value}: expected a string, got {_type(turn.get(value))}")
+            turns.append({"role": role, "content": turn[value]})
+        return turns
+
+    def _conversation(self, data: dict[str, Any], turns: list[dict[str, Any]], fmt: str) -> list[dict]:
+        """The prompt: up to the last user turn, with the system turn of the row or --system-prompt."""
+        name = self.col(KEY_COLUMN[fmt])
+        last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=None)
+        if last_user is None:
+            roles = ", ".join(t["role"] for t in turns)
+            raise RowError(f"field '{name}': the conversation has no user turn to answer (roles: {roles})")
+        turns = turns[: last_user + 1]
+        system = self.system_prompt
+        if system is None:
+            system = self._row_system(data)
+            if system is None or turns[0]["role"] == "system":  # the row's own system turn wins
+                return turns
+        if turns[0]["role"] == "system":
+            return [{**turns[0], "content": system}, *turns[1:]]
+        return [{"role": "system", "content": system}, *turns]
+
+    def _row_system(self, data: dict[str, Any]) -> str | None:
+        """A system prompt in its own column (some ShareGPT sets have one), if set."""
+        name = self.col("system")
+        system = data.get(name)
+        if system is not None and not isinstance(system, str):
+            raise RowError(f"field '{name}': expected a string, got {_type(system)}")
+        return system or None
+
+
+def _turns(data: dict[str, Any], name: str) -> list[Any]:
+    turns = data[name]
+    if not isinstance(turns, list) or not turns:
+        raise RowError(f"field '{name}': expected a non-empty list of turns, got {_describe(turns)}")
+    return turns
+
+
+def _text(data: dict[str, Any], name: str) -> str:
+    text = data.get(name)
+    if not isinstance(text, str) or not text.strip():
+        raise RowError(f"field '{name}': expected a non-empty string")
+    return text
+
+
+def _source_id(data: dict[str, Any], name: str) -> str | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str | int) or isinstance(value, bool):
+        raise RowError(f"field '{name}': expected a string or integer, got {_type(value)}")
+    return str(value)
+
+
+def _type(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _describe(value: Any) -> str:
+    return "an empty list" if value == [] else _type(value)

@@ -1,0 +1,139 @@
+"""`genq dashboard`: rq-dashboard in headless Chromium during a run, its JSON endpoints while workers
+are busy with JSON jobs, requeue that keeps genq's bookkeeping, delete off, basic auth."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+
+import orjson
+import pytest
+import redis
+
+from genq.dashboard_app import create_app
+from genq.embedded import free_port
+from genq.keys import Keys
+from tests.helpers import assert_adds_up, log_of, read_jsonl, status_json, wait_until, write_prompts
+
+CHROMIUM = shutil.which("chromium")
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except urllib.error.URLError:
+        return 0, b""  # not listening yet
+
+
+def dump_dom(url: str, profile) -> str:
+    """The page after its JavaScript has filled the tables from the JSON endpoints."""
+    res = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None and not os.environ.get("CI"),
+    reason="chromium not installed (apt-get install chromium; .ci/run installs it)",
+)
+def test_dashboard_in_chromium_during_a_run(procs, start_sim, out, tmp_path, conn, namespace):
+    url = start_sim(
+        "--latency", "realistic", "--min-len", "1500", "--max-len", "1600", "--decode-step-ms", "5"
+    )
+    write_prompts(tmp_path / "dash.jsonl", 40)
+    assert procs.run("enqueue", tmp_path / "dash.jsonl", "--max-new-tokens", "2000").returncode == 0
+    port = free_port()
+    dashboard = procs.start("dashboard", "--port", str(port))
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: get(f"{base}/0/data/queues.json")[0] == 200, 30, "the dashboard")
+    assert f"http://127.0.0.1:{port}/" in log_of(dashboard), "bound to 127.0.0.1 by default"
+    procs.start("worker", "--server", url, "--concurrency", "8")
+    procs.start("collect", "--out", out)
+    wait_until(lambda: status_json(procs)["datasets"]["dash"]["in_flight"] == 8, 30, "8 jobs in flight")
+
+    queue = f"{namespace}.dash"
+    started = conn.zrange(f"rq:wip:{queue}", 0, 0)[0].decode().split(":")[0]
+    for path in (
+        "/0/data/queues.json",
+        "/0/data/workers.json",
+        f"/0/data/jobs/{queue}/queued/20/asc/1.json",
+        f"/0/data/jobs/{queue}/started/20/asc/1.json",
+        f"/0/data/job/{started}.json",
+        f"/0/view/job/{started}",
+        "/0/view/workers",
+    ):
+        code, body = get(base + path)
+        assert code == 200, (path, body[:500])
+    workers = orjson.loads(get(f"{base}/0/data/workers.json")[1])["workers"]
+    (worker,) = [w for w in workers if w["name"].startswith(f"genq.{namespace}.")]
+    assert worker["state"] == "busy" and worker["queues"] == [queue]
+    assert worker["current_job"]["job_id"].startswith(f"{namespace}--dash-"), "a busy worker, read as JSON"
+
+    before = conn.llen(f"rq:queue:{queue}")
+    dom = dump_dom(base + "/", tmp_path / "chromium")
+    after = conn.llen(f"rq:queue:{queue}")
+    row = re.search(rf"<td>{re.escape(queue)}</td>\s*<td[^>]*>\s*<a [^>]*>(\d+)</a>", dom)
+    assert row, dom[-3000:]
+    assert after <= int(row.group(1)) <= before, (row.group(1), before, after)
+    assert before < 40, "the page shows the queue while workers take from it"
+
+
+def test_dashboard_requeue_is_genq_retry_and_delete_is_off(
+    procs, start_sim, out, tmp_path, redis_url, namespace
+):
+    url = start_sim("--context-length", "256")
+    data = tmp_path / "rq.jsonl"
+    data.write_bytes(
+        orjson.dumps({"input_ids": [101] * 10}) + b"\n" + orjson.dumps({"input_ids": [101] * 200}) + b"\n"
+    )
+    assert procs.run("enqueue", data, "--max-new-tokens", "100").returncode == 0
+    assert procs.run("worker", "--server", url, "--burst").returncode == 0
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    assert [e["id"] for e in read_jsonl(out / "rq" / "errors.jsonl")] == ["rq-1"]
+
+    client = create_app(redis_url).test_client()
+    job_id = Keys(namespace).job_id("rq-1")
+    res = client.post(f"/job/{job_id}/requeue")
+    assert res.status_code == 200 and res.json["count"] == 1, res.json
+    status = status_json(procs)
+    assert_adds_up(status)
+    assert (status["datasets"]["rq"]["queued"], status["datasets"]["rq"]["failed"]) == (1, 0)
+    meta = redis.Redis.from_url(redis_url).hget(f"rq:job:{job_id}", "meta")
+    assert meta in (None, b"{}"), f"meta stays JSON (not pickle): {meta!r}"
+    assert client.post(f"/requeue/{namespace}.rq").json["count"] == 0, "nothing failed is left"
+    res = client.post("/requeue/someone-elses-queue")
+    assert res.status_code == 403 and "not a genq queue" in res.json["message"]
+    assert client.post(f"/job/{job_id}/delete").json == {"status": "DISABLED"}
+    assert client.get("/1/data/queues.json").status_code == 404, "one Redis"
+
+    locked = create_app(redis_url, "ops", "pw").test_client()
+    assert locked.get("/0/data/queues.json").status_code == 401
+    auth = {"Authorization": "Basic " + base64.b64encode(b"ops:pw").decode()}
+    assert locked.get("/0/data/queues.json", headers=auth).status_code == 200

@@ -1,0 +1,158 @@
+"""`genq export`: eagle3, sharegpt and messages files from a finished run; the raw file is only read."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import orjson
+import pytest
+
+from sim.model import generate, tokenize
+from tests.dataset_helpers import build_tokenizer, run_pipeline
+from tests.helpers import read_jsonl
+
+MAX_NEW = 300  # the simulator's outputs run 16-512 tokens: some finish, some are cut
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _conversation(k: int) -> list[dict]:
+    turns = [{"from": "system", "value": "You are a helpful assistant."}] if k % 2 else []
+    for j in range(k % 3 + 1):
+        turns += [
+            {"from": "human", "value": f"question {k}.{j}"},
+            {"from": "gpt", "value": f"answer {k}.{j}"},
+        ]
+    return turns
+
+
+def test_eagle3_sharegpt_and_messages_exports_of_a_finished_run(
+    procs, start_sim, out, tmp_path, tokenizer_dir
+):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    url = start_sim("--latency", "zero")
+    data = tmp_path / "blend.jsonl"
+    data.write_bytes(b"".join(orjson.dumps({"conversations": _conversation(k)}) + b"\n" for k in range(8)))
+    records = run_pipeline(
+        procs,
+        url,
+        out,
+        "blend",
+        str(data),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--max-new-tokens",
+        str(MAX_NEW),
+    )
+    raw = out / "blend" / "raw_responses.jsonl"
+    before = _digest(raw)
+    role = {"system": "system", "human": "user", "gpt": "assistant"}
+    expected = {}
+    for k in range(8):
+        prompt = [{"role": role[t["from"]], "content": t["value"]} for t in _conversation(k)[:-1]]
+        ids = tok.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
+        expected[f"blend-{k}"] = (prompt, ids, generate(ids, {"max_new_tokens": MAX_NEW}))
+    finished = {rid for rid, (_, _, gen) in expected.items() if gen.finish_reason["type"] == "stop"}
+    assert 0 < len(finished) < 8, "the run has both finished and truncated outputs"
+    assert {r["id"] for r in records} == set(expected)
+
+    res = procs.run("export", out, "--format", "eagle3", "--include-truncated")
+    assert res.returncode == 0, res.stderr
+    assert f"blend: wrote 8 to {out / 'blend' / 'tokenized_data.jsonl'}" in res.stdout
+    for row in read_jsonl(out / "blend" / "tokenized_data.jsonl"):
+        _, ids, gen = expected[row["id"]]
+        assert row["input_ids"] == ids + gen.output_ids
+        assert row["loss_mask"] == [0] * len(ids) + [1] * len(gen.output_ids)
+
+    res = procs.run("export", out, "--format", "sharegpt", "--out", tmp_path / "sft")
+    assert res.returncode == 0, res.stderr
+    assert f"blend: wrote {len(finished)} to" in res.stdout
+    assert f"blend: left out {8 - len(finished)}: truncated (finish_reason length" in res.stderr
+    sharegpt = {
+        row["id"]: row["conversations"] for row in read_jsonl(tmp_path / "sft" / "blend" / "sharegpt.jsonl")
+    }
+    assert set(sharegpt) == finished
+    back = {"system": "system", "user": "human", "assistant": "gpt"}
+    for rid, conversation in sharegpt.items():
+        prompt, _, gen = expected[rid]
+        assert conversation[:-1] == [{"from": back[t["role"]], "value": t["content"]} for t in prompt]
+        assert conversation[-1] == {"from": "gpt", "value": gen.text}
+
+    res = procs.run("export", out, "--format", "messages", "--dataset", "blend")
+    assert res.returncode == 0, res.stderr
+    for row in read_jsonl(out / "blend" / "messages.jsonl"):
+        prompt, _, gen = expected[row["id"]]
+        assert row["messages"] == [*prompt, {"role": "assistant", "content": gen.text}]
+    assert _digest(raw) == before, "exports never change what the collector wrote"
+    assert not list((out / "blend").glob("*.part")), "each file is written aside, then renamed"
+
+
+def test_reasoning_content_and_the_older_shapes_on_disk(procs, start_sim, out, tmp_path):
+    url = start_sim("--latency", "zero")
+    prompt = "the quick brown fox"
+    gen = generate(tokenize(prompt), {"max_new_tokens": 600})
+    words = gen.text.split()
+    k = next(i for i in range(3, len(words)) if gen.text.find(words[i]) == len(" ".join(words[:i])) + 1)
+    data = tmp_path / "think.jsonl"
+    data.write_bytes(orjson.dumps({"prompt": prompt}) + b"\n")
+    run_pipeline(procs, url, out, "think", str(data), "--max-new-tokens", "600", "--think-end", words[k])
+    res = procs.run("export", out, "--format", "messages", "--dataset", "think", "--reasoning-content")
+    assert res.returncode == 0, res.stderr
+    (row,) = read_jsonl(out / "think" / "messages.jsonl")
+    cut = gen.text.index(words[k])
+    assert row["messages"] == [
+        {"role": "user", "content": prompt},
+        {
+            "role": "assistant",
+            "content": gen.text[cut + len(words[k]) :].lstrip(),
+            "reasoning_content": gen.text[:cut].strip(),
+        },
+    ]
+    # Shapes users already have on disk, next to genq records that cannot be exported, and a line
+    # the collector is still writing.
+    legacy = out / "legacy"
+    legacy.mkdir()
+    lines = [
+        {
+            "id": "oa-1",
+            "messages": [{"role": "user", "content": "hi"}],
+            "choices": [
+                {"message": {"content": "hello", "reasoning_content": "greet back"}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+        },
+        {"id": "tok-1", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]},
+        {"id": "g-1", "output_ids": [5, 2], "prompt_tokens": 3, "finish_reason": "stop", "content": "x"},
+        {"id": "g-2", "output_ids": [5, 2], "input_ids": [1, 2], "prompt_tokens": 3, "finish_reason": "stop"},
+    ]
+    (legacy / "raw_responses.jsonl").write_bytes(
+        b"".join(orjson.dumps(x) + b"\n" for x in lines) + b'{"id": "torn", "output_'
+    )
+    res = procs.run("export", out, "--format", "eagle3", "--dataset", "legacy")
+    assert res.returncode == 0, res.stderr
+    assert [r["id"] for r in read_jsonl(legacy / "tokenized_data.jsonl")] == ["tok-1"]
+    assert "left out 1: no output_ids (an OpenAI-style record: text only)" in res.stderr
+    assert "left out 1: no prompt input_ids in the record" in res.stderr
+    assert "left out 1: prompt input_ids do not match the server's prompt_tokens" in res.stderr
+    res = procs.run("export", out, "--format", "sharegpt", "--dataset", "legacy", "--reasoning-content")
+    assert res.returncode == 0, res.stderr
+    assert read_jsonl(legacy / "sharegpt.jsonl") == [
+        {
+            "id": "oa-1",
+            "conversations": [
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": "hello", "reasoning_content": "greet back"},
+            ],
+        }
+    ]
+    assert "left out 3: no prompt conversation in the record" in res.stderr

@@ -1,0 +1,61 @@
+"""Logs: one line per event worth knowing, with job id, dataset and worker; JSON for log shippers."""
+
+from __future__ import annotations
+
+import orjson
+
+from genq.embedded import free_port
+from tests.helpers import log_of, status_json, stop, wait_until, write_prompts
+
+
+def test_worker_json_log_names_job_dataset_and_worker_for_every_event(procs, out, tmp_path, namespace):
+    write_prompts(tmp_path / "logs.jsonl", 20)
+    with (tmp_path / "logs.jsonl").open("ab") as fh:
+        fh.write(orjson.dumps({"input_ids": [101] * 200}) + b"\n")  # cannot fit: fails for good
+    assert procs.run("enqueue", tmp_path / "logs.jsonl", "--max-new-tokens", "100").returncode == 0
+    port = free_port()
+    server = f"http://127.0.0.1:{port}"
+    # The server is down when the worker starts, and comes up later.
+    worker = procs.start("worker", "--server", server, "--concurrency", "4", "--log-format", "json")
+    wait_until(lambda: "looks down" in log_of(worker), 30, "the worker to see the server down")
+    procs.start("sim-server", "--port", str(port), "--context-length", "256", "--fail-500", "0.3")
+    collector = procs.start("collect", "--out", out, "--burst", env={"GENQ_LOG_FORMAT": "json"})
+    wait_until(lambda: status_json(procs)["datasets"]["logs"]["done"] == 20, 60, "the run")
+    assert stop(worker) == 0, log_of(worker)
+    assert collector.wait(60) == 0, log_of(collector)
+
+    lines = [orjson.loads(line) for line in log_of(worker).splitlines()]  # every line is JSON
+    assert all({"ts", "level", "logger", "msg"} <= set(line) for line in lines)
+
+    def events(text: str) -> list[dict]:
+        found = [line for line in lines if text in line["msg"]]
+        assert found, f"no {text!r} line in {lines}"
+        return found
+
+    (start,) = events(f"serving {server}")
+    name = start["worker"]
+    assert name.startswith(f"genq.{namespace}.") and start["server"] == server
+    assert events("looks down")[0]["server"] == server
+    assert events("is up again")[0]["server"] == server
+    for retry in events("retrying in"):
+        assert retry["job_id"].startswith(f"{namespace}--logs-") and retry["dataset"] == "logs"
+        assert retry["worker"] == name and retry["attempt"] >= 1 and retry["error"]
+    (failed,) = events("failed for good")
+    assert (failed["job_id"], failed["dataset"], failed["error"]) == (
+        f"{namespace}--logs-20",
+        "logs",
+        "bad_request",
+    )
+    assert events("stop requested")[0]["worker"] == name
+    assert lines[-1]["msg"].endswith("stopped") and lines[-1]["worker"] == name
+    for line in log_of(collector).splitlines():
+        orjson.loads(line)
+
+
+def test_text_log_names_the_worker(procs, start_sim, tmp_path, namespace):
+    url = start_sim()
+    write_prompts(tmp_path / "t.jsonl", 3)
+    assert procs.run("enqueue", tmp_path / "t.jsonl", "--max-new-tokens", "50").returncode == 0
+    res = procs.run("worker", "--server", url, "--burst")
+    assert res.returncode == 0
+    assert f" INFO genq.worker[genq.{namespace}." in res.stderr, res.stderr

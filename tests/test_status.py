@@ -1,0 +1,216 @@
+"""`genq status --json`: known counters give exact numbers; a real run agrees with the files and stats."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import orjson
+import pytest
+from rq.utils import utcformat
+
+from genq import datasets
+from genq.keys import Keys
+from genq.status import status
+from genq.tokens import BUCKET_S
+from tests.helpers import assert_adds_up, log_of, read_jsonl, sigkill, status_json, wait_until, write_prompts
+from tests.test_reliability import sim_post
+
+NOW = 1_000_005.0  # window of the recent rate: buckets 99971..100000, from 999,710 s
+
+
+def _register(conn, keys: Keys, name: str, enqueued: int, done: int, failed: tuple[int, ...] = ()) -> None:
+    datasets.register(conn, keys, datasets.DatasetSettings(name, 1, {"max_new_tokens": 100}))
+    for i in range(enqueued):
+        conn.setbit(keys.enqueued(name), i, 1)
+    for i in range(done):
+        conn.setbit(keys.done(name), i, 1)
+    for i in failed:
+        conn.setbit(keys.failed(name), i, 1)
+
+
+def test_status_reads_known_counters_exactly(conn, namespace):
+    keys = Keys(namespace)
+    # "known": 10 jobs: 2 queued, 3 started (2 of them backing off in a worker), 1 result in the
+    # stream, 3 done, 1 failed.
+    _register(conn, keys, "known", enqueued=10, done=3, failed=(9,))
+    queue = f"rq:queue:{keys.queue_name('known')}"
+    conn.rpush(queue, "a", "b")
+    conn.zadd(f"rq:wip:{keys.queue_name('known')}", {"c:1": NOW + 60, "d:1": NOW + 60, "e:1": NOW + 60})
+    conn.hset(keys.in_stream, "known", 1)
+    conn.xadd(keys.results, {"kind": "record"}, id=f"{int((NOW - 7) * 1000)}-0")
+    conn.set(keys.collector_lease, "host:1:abc")
+    worker = f"{keys.worker_prefix}host.4242.abc"
+    conn.sadd("rq:workers", f"rq:worker:{worker}")
+    beat = dt.datetime.fromtimestamp(NOW - 3, dt.UTC)
+    conn.hset(
+        f"rq:worker:{worker}",
+        mapping={
+            "hostname": "host",
+            "pid": 4242,
+            "state": "busy",
+            "last_heartbeat": utcformat(beat),
+            "successful_job_count": 3,
+            "genq_server": "http://gpu-1:30000",
+            "genq_in_flight": 3,
+            "genq_retrying": 2,
+            "genq_retries": 7,
+        },
+    )
+    conn.hset(keys.retrying(worker), "known", 2)
+    # 1,600 completion tokens on disk: 1,000 written long ago, 600 within the last 5 minutes.
+    conn.hset(
+        keys.tokens("known"),
+        mapping={
+            "records": 3,
+            "prompt_tokens": 30,
+            "completion_tokens": 1600,
+            "live_tokens": 1600,
+            "first_at": NOW - 400,
+            "last_at": NOW - 50,
+        },
+    )
+    for age, n in ((350, 1000), (150, 300), (50, 300)):
+        conn.set(keys.rate_bucket("known", int((NOW - age) // BUCKET_S)), n)
+    # "legacy": records on disk that no counter covers (a run begun by an older genq).
+    _register(conn, keys, "legacy", enqueued=2, done=2)
+    # "fresh": nothing done yet.
+    _register(conn, keys, "fresh", enqueued=5, done=0)
+    conn.rpush(f"rq:queue:{keys.queue_name('fresh')}", *"vwxyz")
+
+    data = status(conn, keys, now=NOW)
+
+    recent = 600 / 295  # since the window's start, 999,710 s
+    assert data["datasets"]["known"] == {
+        "total": 10,
+        "queued": 2,
+        "in_flight": 3 - 2 + 1,
+        "retrying": 2,
+        "done": 3,
+        "failed": 1,
+        "unaccounted": 0,
+        "prompt_tokens": 30,
+        "completion_tokens": 1600,
+        "avg_completion_tokens": 533.3,
+        "tokens_per_s": round(recent, 1),
+        "tokens_per_s_since_start": 4.0,  # 1,600 in the 400 s since the first record
+        "eta_s": round(6 * (1600 / 3) / recent, 1),
+    }
+    legacy = data["datasets"]["legacy"]
+    assert (legacy["prompt_tokens"], legacy["completion_tokens"], legacy["avg_completion_tokens"]) == (
+        None,
+    ) * 3
+    assert legacy["eta_s"] == 0.0, "nothing left to do"
+    fresh = data["datasets"]["fresh"]
+    assert (fresh["queued"], fresh["tokens_per_s"], fresh["eta_s"]) == (5, None, None), "unknown, never 0"
+    totals = data["totals"]
+    assert (totals["total"], totals["done"], totals["completion_tokens"], totals["eta_s"]) == (
+        17,
+        5,
+        None,
+        None,
+    )
+    assert data["workers"] == [
+        {
+            "name": worker,
+            "host": "host",
+            "pid": 4242,
+            "server": "http://gpu-1:30000",
+            "state": "busy",
+            "in_flight": 3,
+            "retrying": 2,
+            "done": 3,
+            "failed": 0,
+            "retries": 7,
+            "last_heartbeat": utcformat(beat),
+            "heartbeat_age_s": 3.0,
+        }
+    ]
+    assert data["stream"] == {"length": 1, "oldest_pending_s": 7.0, "collector": "host:1:abc"}
+
+
+@pytest.mark.slow
+def test_status_during_a_run_agrees_with_the_files_and_stats(procs, start_sim, out, tmp_path):
+    url = start_sim("--latency", "realistic", "--decode-step-ms", "5", "--fail-500", "1.0")
+    data = tmp_path / "run.jsonl"
+    write_prompts(data, 80)
+    assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
+    worker = procs.start("worker", "--server", url, "--concurrency", "16", "--max-attempts", "50")
+    collector = procs.start("collect", "--out", out)
+
+    # Every attempt fails: jobs wait between attempts, and status says so (not "in flight").
+    def backing_off():
+        s = status_json(procs)
+        return s if s["datasets"]["run"]["retrying"] >= 8 and s["workers"][0]["retrying"] else None
+
+    s = wait_until(backing_off, 20, "jobs waiting to retry")
+    assert_adds_up(s)
+    assert s["datasets"]["run"]["tokens_per_s"] is None and s["datasets"]["run"]["eta_s"] is None
+    sim_post(url, "/sim/faults", {"error_500": 0.0})
+
+    # Mid-run: a rate and an ETA once records land; the five still add up.
+    def flowing():
+        s = status_json(procs)
+        c = s["datasets"]["run"]
+        return s if c["eta_s"] and c["done"] < 80 and c["tokens_per_s"] else None
+
+    s = wait_until(flowing, 30, "a rate and an ETA")
+    assert_adds_up(s)
+    assert s["stream"]["collector"] is not None
+
+    def finished():
+        s = status_json(procs)
+        return s if s["datasets"]["run"]["done"] == 80 and s["workers"][0]["in_flight"] == 0 else None
+
+    s = wait_until(finished, 60, "every record on disk")
+    records = read_jsonl(out / "run" / "raw_responses.jsonl")
+    c = s["datasets"]["run"]
+    assert c["prompt_tokens"] == sum(r["prompt_tokens"] for r in records)
+    assert c["completion_tokens"] == sum(r["completion_tokens"] for r in records)
+    assert c["avg_completion_tokens"] == round(c["completion_tokens"] / 80, 1)
+    assert c["eta_s"] == 0.0 and c["tokens_per_s_since_start"] > 0
+    (w,) = s["workers"]
+    assert (w["pid"], w["server"], w["done"], w["failed"]) == (worker.pid, url, 80, 0)
+    assert w["retries"] >= 8
+    assert s["stream"] == {**s["stream"], "length": 0, "oldest_pending_s": 0.0}
+
+    res = procs.run("stats", out, "--json")
+    stats = orjson.loads(res.stdout)["datasets"]["run"]
+    assert (stats["records"], stats["prompt_tokens"], stats["completion_tokens"]) == (
+        80,
+        c["prompt_tokens"],
+        c["completion_tokens"],
+    )
+    assert stats["avg_completion_tokens"] == c["avg_completion_tokens"]
+    for proc in (worker, collector):
+        proc.terminate()
+        assert proc.wait(60) == 0, log_of(proc)
+
+
+def test_token_counters_count_each_record_once_through_kills_and_lost_state(
+    procs, start_sim, out, tmp_path, conn, namespace
+):
+    url = start_sim()
+    write_prompts(tmp_path / "k.jsonl", 600)
+    assert procs.run("enqueue", tmp_path / "k.jsonl", "--max-new-tokens", "100").returncode == 0
+    assert procs.run("worker", "--server", url, "--burst").returncode == 0
+    raw = out / "k" / "raw_responses.jsonl"
+    for _ in range(3):  # killed while writing: lines past the checkpoint are counted at start-up
+        collector = procs.start("collect", "--out", out, "--batch", "50")
+        size = raw.stat().st_size if raw.exists() else 0
+        wait_until(lambda s=size: raw.exists() and raw.stat().st_size > s, 30, "more lines")
+        sigkill(collector)
+    keys = Keys(namespace)
+    conn.delete(keys.collector_offsets)  # every line looks new: none may be counted twice
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    records = read_jsonl(raw)
+    sums = (600, sum(r["prompt_tokens"] for r in records), sum(r["completion_tokens"] for r in records))
+    c = status_json(procs)["datasets"]["k"]
+    assert (c["done"], c["prompt_tokens"], c["completion_tokens"]) == sums
+
+    # A Redis that lost the counters, bitmaps and checkpoints: what is on disk is counted once,
+    # and not as tokens generated since the start (that rate would be absurd).
+    conn.delete(keys.tokens("k"), keys.done("k"), keys.collector_offsets)
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    c = status_json(procs)["datasets"]["k"]
+    assert (c["done"], c["prompt_tokens"], c["completion_tokens"]) == sums
+    assert conn.hget(keys.tokens("k"), "live_tokens") is None and c["tokens_per_s_since_start"] is None
