@@ -45,7 +45,7 @@ class EmbeddedRedis:
     """redis-server on 127.0.0.1 with AOF (fsync every second) in ``folder``; stopped on exit."""
 
     def __init__(self, folder: Path, port: int | None = None):
-        self.folder = folder
+        self.folder = folder.resolve()  # redis-server chdirs to --dir before opening --logfile
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
 

@@ -85,7 +85,7 @@ def test_run_killed_and_rerun_finishes_without_duplicates(tmp_path, monkeypatch)
 
 
 def test_run_example_dataset_text_prompts(tmp_path, monkeypatch):
-    """The README's quick start, on the example that ships in the repo."""
+    """The README's quick start, on the example that ships in the repo, with a relative --out."""
     from pathlib import Path
 
     from sim.model import tokenize
@@ -101,11 +101,12 @@ def test_run_example_dataset_text_prompts(tmp_path, monkeypatch):
             "run",
             str(example),
             "--out",
-            str(out),
+            "out",
             "--simulate",
             "--sim-latency",
             "zero",
         ],
+        cwd=tmp_path,
         capture_output=True,
         timeout=180,
     )
