@@ -16,7 +16,7 @@ import redis
 from collector import metrics
 from collector.drain import Collector, LeaseHeld, WriteFailed
 from genq.keys import Keys
-from genq.logs import log_format_option, setup_logging
+from genq.logs import logging_options, setup_logging
 from genq.maintenance import reap
 from genq.metrics import metrics_options, serve
 from genq.settings import connect, option, redis_options
@@ -42,8 +42,7 @@ REAP_EVERY_S = 15
     help="Exit non-zero when the disk has refused every write for this many seconds.",
 )
 @option("--burst", is_flag=True, help="Exit once queues, in-flight jobs and the stream are all empty.")
-@option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
-@log_format_option
+@logging_options
 @metrics_options
 @redis_options
 def collect_command(

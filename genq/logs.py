@@ -62,11 +62,14 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def log_format_option(func: Callable) -> Callable:
-    """``--log-format text|json``, for every command that calls :func:`setup_logging`."""
-    return option(
+def logging_options(func: Callable) -> Callable:
+    """``--log-level`` and ``--log-format``, for every command that calls :func:`setup_logging`."""
+    func = option(
         "--log-format",
         type=click.Choice(FORMATS),
         default="text",
         help="json: one JSON object a line (ts, level, logger, msg, job_id, dataset, worker).",
     )(func)
+    return option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))(
+        func
+    )

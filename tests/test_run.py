@@ -123,28 +123,11 @@ def test_rerun_on_a_fresh_redis_runs_nothing_already_on_disk(tmp_path, redis_url
     prompts = write_prompts(data, 120)
     out = tmp_path / "out"
     for namespace, expect in (("first", b"enqueued 120, skipped 0"), ("second", b"enqueued 0, skipped 120")):
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "genq",
-                "run",
-                str(data),
-                "--out",
-                str(out),
-                "--simulate",
-                "--sim-latency",
-                "zero",
-                "--max-new-tokens",
-                "300",
-                "--redis",
-                redis_url,
-                "--namespace",
-                namespace,
-            ],
-            capture_output=True,
-            timeout=180,
-        )
-        assert proc.returncode == 0, proc.stderr.decode()[-3000:]
-        assert expect in proc.stdout + proc.stderr
+        proc = _run(data, out, "--sim-latency", "zero", "--redis", redis_url, "--namespace", namespace)
+        try:
+            stdout, stderr = proc.communicate(timeout=180)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, stderr.decode()[-3000:]
+        assert expect in stdout + stderr
     check_records(out, "again", prompts, {"max_new_tokens": 300})

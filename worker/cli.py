@@ -7,7 +7,7 @@ import asyncio
 import click
 
 from genq.keys import Keys
-from genq.logs import log_format_option, setup_logging
+from genq.logs import logging_options, setup_logging
 from genq.metrics import metrics_options, serve
 from genq.settings import connect, option, redis_options
 from worker import metrics
@@ -48,8 +48,7 @@ from worker.daemon import Worker, WorkerConfig
     help="Take no new jobs while the result stream holds this many entries.",
 )
 @option("--burst", is_flag=True, help="Exit once the queues are empty and nothing is in flight.")
-@option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
-@log_format_option
+@logging_options
 @metrics_options
 @redis_options
 def worker_command(
