@@ -316,9 +316,11 @@ class Collector:
         return items
 
     def _error_of_failed(self, job_id: str, rid: str, name: str, row: int, sample: int) -> dict:
-        exc_string = None
+        exc_string = source_id = None
         try:
-            result = Job.fetch(job_id, connection=self.conn, serializer="json").latest_result()
+            job = Job.fetch(job_id, connection=self.conn, serializer="json")
+            source_id = (job.kwargs or {}).get("source_id")
+            result = job.latest_result()
             exc_string = result.exc_string if result is not None else None
         except Exception as exc:  # noqa: BLE001 - the reason is a nicety; the error line is not
             log.debug("job %s: could not read its failure (%s)", job_id, exc)
@@ -329,6 +331,7 @@ class Collector:
             dataset=name,
             row=row,
             sample=sample,
+            source_id=source_id,
             error=error,
             message=message,
             status=None,

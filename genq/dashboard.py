@@ -8,22 +8,16 @@ imported only when the command runs, so the other commands start without them.
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 
 import click
 
-from genq.settings import option, redact, redis_options
+from genq.settings import option, redact, redis_options, secret
 
 LOCAL = ("127.0.0.1", "localhost", "::1")
 
 
 def dashboard_password() -> str | None:
-    """GENQ_DASHBOARD_PASSWORD_FILE, else GENQ_DASHBOARD_PASSWORD: never on the command line."""
-    path = os.environ.get("GENQ_DASHBOARD_PASSWORD_FILE")
-    if path:
-        return Path(path).read_text().strip() or None
-    return os.environ.get("GENQ_DASHBOARD_PASSWORD") or None
+    return secret("DASHBOARD_PASSWORD")
 
 
 @click.command("dashboard")

@@ -16,7 +16,9 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``collector:offsets``      hash   file -> byte offset up to which its ids are marked in the bitmaps
 - ``collector:lease``        string the collector holding this namespace
 - ``collector:ready``        string the lease of the collector that has reconciled Redis with the disk
-- ``attempts``               hash   job id -> /generate attempts so far, across workers
+- ``attempts``               hash   job id -> sends charged to the prompt so far, across workers
+- ``spared``                 hash   job id -> sends the server failed and the prompt was spared (bounded)
+- ``crashes``                hash   job id -> server crashes it was in flight at (bounded: ``suspect_crash``)
 - ``maintenance``            string short lock so one worker at a time reaps abandoned jobs
 - ``worker:<name>:retrying`` hash   dataset -> this worker's jobs waiting between attempts (TTL: the
                                     heartbeat TTL, refreshed every 2 s: a dead worker's lapses with its jobs)
@@ -75,6 +77,19 @@ class Keys:
     @property
     def attempts(self) -> str:
         return self.prefix + "attempts"
+
+    @property
+    def spared(self) -> str:
+        return self.prefix + "spared"
+
+    @property
+    def crashes(self) -> str:
+        return self.prefix + "crashes"
+
+    @property
+    def job_counters(self) -> tuple[str, str, str]:
+        """The per-job counters; all three are cleared when the job ends or is retried."""
+        return (self.attempts, self.spared, self.crashes)
 
     @property
     def collector_offsets(self) -> str:

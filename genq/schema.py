@@ -36,8 +36,20 @@ RECORD_FIELDS = (
     "sampling_params",
     "finished_at",
     "schema",
+    "backend",
 )
-ERROR_FIELDS = ("id", "dataset", "row", "sample", "error", "message", "status", "attempts", "failed_at")
+ERROR_FIELDS = (
+    "id",
+    "dataset",
+    "row",
+    "source_id",
+    "sample",
+    "error",
+    "message",
+    "status",
+    "attempts",
+    "failed_at",
+)
 
 # How often RQ may requeue a job whose worker died (its abandoned-job handling) before failing
 # it. The real budget is the per-job attempt count workers keep in Redis (``--max-attempts``).
@@ -107,6 +119,7 @@ def error_record(
     dataset: str,
     row: int,
     sample: int,
+    source_id: str | None,
     error: str,
     message: str,
     status: int | None,
@@ -117,6 +130,7 @@ def error_record(
         "id": id,
         "dataset": dataset,
         "row": row,
+        "source_id": source_id,
         "sample": sample,
         "error": error,
         "message": message,

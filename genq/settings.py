@@ -64,12 +64,25 @@ def _check_namespace(ctx: click.Context, param: click.Parameter, value: str) -> 
         raise click.BadParameter(str(exc)) from exc
 
 
-def redis_password() -> str | None:
-    """The password from GENQ_REDIS_PASSWORD_FILE or GENQ_REDIS_PASSWORD (in that order)."""
-    path = os.environ.get("GENQ_REDIS_PASSWORD_FILE")
+def secret(name: str) -> str | None:
+    """A secret from the file named by ``GENQ_<NAME>_FILE``, else from ``GENQ_<NAME>``.
+
+    Secrets never come from flags: a command line shows in ``ps`` and in shell history. The file
+    is read again at every call, so a rotated secret is picked up without a restart.
+    """
+    path = os.environ.get(f"{ENV_PREFIX}{name}_FILE")
     if path:
-        return Path(path).read_text().strip()
-    return os.environ.get("GENQ_REDIS_PASSWORD") or None
+        return Path(path).read_text().strip() or None
+    return os.environ.get(f"{ENV_PREFIX}{name}") or None
+
+
+def redis_password() -> str | None:
+    return secret("REDIS_PASSWORD")
+
+
+def server_api_key() -> str | None:
+    """The inference server's API key (SGLang/vLLM ``--api-key``), sent as a Bearer token."""
+    return secret("SERVER_API_KEY")
 
 
 # Read by :func:`connect` for every command (not flags: secrets and file paths stay out of argv).
@@ -79,6 +92,11 @@ REDIS_ENV = {
     "GENQ_REDIS_CA_FILE": "rediss:// only: CA bundle that signed the server's certificate",
     "GENQ_REDIS_CERT_FILE": "rediss:// only: client certificate, when Redis asks for one",
     "GENQ_REDIS_KEY_FILE": "rediss:// only: the client certificate's key",
+}
+# Read by the worker and `enqueue --server` (the inference server's --api-key).
+SERVER_ENV = {
+    "GENQ_SERVER_API_KEY": "API key of the inference server (prefer GENQ_SERVER_API_KEY_FILE)",
+    "GENQ_SERVER_API_KEY_FILE": "file holding that key; wins over GENQ_SERVER_API_KEY",
 }
 _TLS_ENV = {
     "ssl_ca_certs": "GENQ_REDIS_CA_FILE",

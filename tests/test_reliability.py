@@ -23,6 +23,7 @@ from tests.helpers import (
     read_jsonl,
     sigkill,
     status_json,
+    stop,
     wait_until,
     write_prompts,
 )
@@ -89,7 +90,8 @@ def test_sick_server_503s_pause_the_worker_until_health_returns(procs, start_sim
     sim_post(url, "/sim/health", {"healthy": False})
     assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
     worker = procs.start("worker", "--server", url, "--burst", "--max-attempts", "2")
-    wait_until(lambda: "looks down" in log_of(worker), 30, "the worker to notice")
+    # Sick from the start: the worker's probe waits for it before taking a single job.
+    wait_until(lambda: "not ready" in log_of(worker), 30, "the worker to notice")
     time.sleep(2)
     sim_post(url, "/sim/health", {"healthy": True})
     assert worker.wait(120) == 0, log_of(worker)
@@ -98,16 +100,18 @@ def test_sick_server_503s_pause_the_worker_until_health_returns(procs, start_sim
 
 
 def test_hung_requests_are_aborted_and_retried(procs, start_sim, out, tmp_path):
-    url = start_sim("--fail-hang", "1.0")
+    url = start_sim()
     data = tmp_path / "hang.jsonl"
     prompts = write_prompts(data, 40)
+    # Not --burst: the worker must be serving (its probe done) before the server starts hanging.
+    worker = procs.start("worker", "--server", url, "--request-timeout", "1", "--max-attempts", "10")
+    wait_until(lambda: "serving" in log_of(worker), 30, "the worker to probe the server")
+    sim_post(url, "/sim/faults", {"hang": 1.0})
     assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
-    worker = procs.start(
-        "worker", "--server", url, "--burst", "--request-timeout", "1", "--max-attempts", "10"
-    )
     wait_until(lambda: sim_stats(url)["aborted"] >= 40, 60, "the first attempts to be given up and aborted")
     sim_post(url, "/sim/faults", {"hang": 0.0})
-    assert worker.wait(120) == 0, log_of(worker)
+    wait_until(lambda: _in_stream(procs) == 40, 120, "every job to finish")
+    assert stop(worker) == 0, log_of(worker)
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
     records = check_records(out, "hang", prompts, PARAMS)
     assert all(r["attempts"] >= 2 for r in records)

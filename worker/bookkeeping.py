@@ -42,6 +42,7 @@ class Taken:
     queue: Queue
     execution: Execution
     spec: JobSpec
+    crashes: int = 0  # server crashes it was in flight at (the ``crashes`` hash): on probation if > 0
     finishing: bool = False  # its result is being handed to Redis: never requeue it
 
 
@@ -66,10 +67,14 @@ class Bookkeeper(BaseWorker):
 
     # -- life cycle -------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, server: dict[str, str]) -> None:
+        """Register with RQ; ``server`` (what the probe learned) goes into the worker hash as
+        ``genq_*`` fields, for status."""
         self.refresh_queues()
         self.register_birth()
-        self.connection.hset(self.key, mapping={"genq_server": self.server})
+        self.connection.hset(
+            self.key, mapping={"genq_server": self.server, **{f"genq_{k}": v for k, v in server.items()}}
+        )
         self.set_state(WorkerStatus.IDLE)
 
     def stop(self) -> None:
@@ -112,9 +117,10 @@ class Bookkeeper(BaseWorker):
         if not ids:
             return []
         jobs = Job.fetch_many([i for _, i in ids], self.connection, serializer=self.serializer)
+        crashes = self.connection.hmget(self.keys.crashes, [i for _, i in ids])
         taken: list[Taken] = []
         with self.connection.pipeline() as pipe:
-            for (queue, job_id), job in zip(ids, jobs, strict=True):
+            for (queue, job_id), job, crashed in zip(ids, jobs, crashes, strict=True):
                 pipe.lrem(queue.intermediate_queue_key, 1, job_id)
                 if job is None:
                     # Its hash is gone (deleted by hand, or expired): there is nothing to run, and
@@ -143,7 +149,7 @@ class Bookkeeper(BaseWorker):
                     continue
                 execution = Execution.create(job, self.heartbeat_ttl, pipeline=pipe, worker_name=self.name)
                 job.prepare_for_execution(self.name, pipeline=pipe)
-                taken.append(Taken(job, queue, execution, spec))
+                taken.append(Taken(job, queue, execution, spec, int(crashed or 0)))
             if taken:
                 self.set_state(WorkerStatus.BUSY, pipeline=pipe)
                 self.set_current_job_id(taken[-1].job.id, pipeline=pipe)
@@ -206,9 +212,24 @@ class Bookkeeper(BaseWorker):
             pipe.expire(key, self.heartbeat_ttl)
             pipe.execute()
 
-    def attempt(self, job_id: str, delta: int = 1) -> int:
-        """Count an attempt in Redis, so the budget holds across workers."""
-        return int(self.connection.hincrby(self.keys.attempts, job_id, delta))
+    def attempt(self, job_id: str) -> int:
+        """Charge a send to the job before it goes out, so the budget holds across workers (and a
+        worker that dies mid-send has used it)."""
+        return int(self.connection.hincrby(self.keys.attempts, job_id, 1))
+
+    def spare(self, job_id: str, counter: str | None) -> int:
+        """Take back the send charged by :meth:`attempt` and count it in ``counter`` (``spared``
+        or ``crashes``) instead; returns that count (0 without a counter)."""
+        with self.connection.pipeline() as pipe:
+            pipe.hincrby(self.keys.attempts, job_id, -1)
+            if counter is not None:
+                pipe.hincrby(counter, job_id, 1)
+            return int(pipe.execute()[-1]) if counter is not None else 0
+
+    def pardon(self, job_ids: list[str]) -> None:
+        """The crash these jobs were in flight at has its culprit: they are suspects no more."""
+        if job_ids:
+            self.connection.hdel(self.keys.crashes, *job_ids)
 
     # -- endings ----------------------------------------------------------------------------
 
@@ -237,7 +258,8 @@ class Bookkeeper(BaseWorker):
         with self.connection.pipeline() as pipe:
             pipe.xadd(self.keys.results, {"kind": kind, "id": t.spec.id, "data": dumps(data)})
             pipe.hincrby(self.keys.in_stream, t.spec.dataset, 1)
-            pipe.hdel(self.keys.attempts, t.job.id)
+            for counter in self.keys.job_counters:
+                pipe.hdel(counter, t.job.id)
             pipe.execute()
 
     def requeue(self, taken: list[Taken]) -> None:

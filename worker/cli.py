@@ -6,6 +6,7 @@ import asyncio
 
 import click
 
+from genq.backends import Http, open_backend
 from genq.keys import Keys
 from genq.logs import logging_options, setup_logging
 from genq.metrics import metrics_options, serve
@@ -15,13 +16,30 @@ from worker.daemon import Worker, WorkerConfig
 
 
 @click.command("worker")
-@option("--server", required=True, help="Base URL of the SGLang server, e.g. http://127.0.0.1:30000.")
+@option(
+    "--server",
+    required=True,
+    help="Base URL of the SGLang server, e.g. http://127.0.0.1:30000. Its API key (--api-key) comes "
+    "from GENQ_SERVER_API_KEY or GENQ_SERVER_API_KEY_FILE, never from the command line.",
+)
 @option("--concurrency", type=click.IntRange(min=1), default=128, help="Jobs in flight in this process.")
 @option(
     "--max-attempts",
     type=click.IntRange(min=1),
     default=5,
-    help="/generate attempts per job, counted across workers.",
+    help="Sends charged to a job before it fails, counted across workers (docs/failures.md).",
+)
+@option(
+    "--max-spared",
+    type=click.IntRange(min=0),
+    default=20,
+    help="Sends the server failed while serving no other job (503, drops) that a job is spared.",
+)
+@option(
+    "--max-crashes",
+    type=click.IntRange(min=1),
+    default=3,
+    help="Server crashes a job may be in flight at before it fails as suspect_crash.",
 )
 @option(
     "--request-timeout",
@@ -55,6 +73,8 @@ def worker_command(
     server,
     concurrency,
     max_attempts,
+    max_spared,
+    max_crashes,
     request_timeout,
     grace,
     heartbeat_ttl,
@@ -69,8 +89,9 @@ def worker_command(
 ):
     """Run jobs of every dataset in the namespace against one inference server.
 
-    SIGTERM drains: no new jobs, in-flight ones finish (up to --grace), the rest go back to
-    the queue, exit 0. A second signal exits at once.
+    At start it probes the server (version, context length, key, one tiny generation) and
+    exits 78 with one line if genq cannot use it. SIGTERM drains: no new jobs, in-flight ones
+    finish (up to --grace), the rest go back to the queue, exit 0. A second signal exits at once.
     """
     setup_logging(log_level, log_format)
     serve(metrics_port, metrics_bind, metrics.REGISTRY)
@@ -78,11 +99,17 @@ def worker_command(
         server=server,
         concurrency=concurrency,
         max_attempts=max_attempts,
+        max_spared=max_spared,
+        max_crashes=max_crashes,
         request_timeout=request_timeout,
         grace=grace,
         burst=burst,
         heartbeat_ttl=heartbeat_ttl,
         stream_limit=stream_limit,
     )
-    worker = Worker(connect(redis_url), Keys(namespace), config)
-    asyncio.run(worker.run())
+    asyncio.run(_run(connect(redis_url), Keys(namespace), config))
+
+
+async def _run(conn, keys: Keys, config: WorkerConfig) -> None:
+    async with Http(config.server, config.concurrency) as http:
+        await Worker(conn, keys, config, open_backend("sglang", http)).run()

@@ -1,8 +1,11 @@
 """The asyncio worker: C jobs in flight in one process, read top to bottom.
 
-One event loop does the HTTP; every Redis/RQ call goes to :class:`~worker.bookkeeping.Bookkeeper`
-on a single thread, so the loop never blocks on Redis and RQ's one-job-at-a-time worker state
-is only ever touched by one caller.
+One event loop does the HTTP, through a backend (genq/backends: the engine's API); every
+Redis/RQ call goes to :class:`~worker.bookkeeping.Bookkeeper` on a single thread, so the loop
+never blocks on Redis and RQ's one-job-at-a-time worker state is only ever touched by one caller.
+
+What a failed send costs is decided in one place, :meth:`Worker._judge`; docs/failures.md is the
+table of it.
 """
 
 from __future__ import annotations
@@ -11,28 +14,33 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis
 
+from genq.backends import Backend, ServerInfo, ServerRefused
+from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
 from genq.schema import error_record
 from worker import metrics
 from worker.bookkeeping import Bookkeeper, Taken
-from worker.client import SGLangClient
-from worker.errors import AttemptError, backoff
+from worker.probation import Probation
 from worker.record import build_record
+from worker.retry import backoff
 
 log = logging.getLogger("genq.worker")
 T = TypeVar("T")
 HEALTH_EVERY_S = 10.0
 REPORT_EVERY_S = 2.0
+# Exit status of a worker whose server cannot serve genq: the systemd unit does not restart it.
+EXIT_REFUSED = 78
 
 
 @dataclass
@@ -40,6 +48,10 @@ class WorkerConfig:
     server: str
     concurrency: int = 128
     max_attempts: int = 5
+    # Sends the server failed while it served no other job, spared per job (decision 7's bound).
+    max_spared: int = 20
+    # Server crashes a job may be in flight at before it is the suspect and fails (worker/probation.py).
+    max_crashes: int = 3
     request_timeout: float | None = None  # overrides the deadline derived from max_new_tokens
     grace: float = 60.0
     burst: bool = False
@@ -57,10 +69,23 @@ class WorkerConfig:
         return 120.0 + max_new_tokens / 8.0
 
 
+@dataclass
+class _Tries:
+    """One job's sends so far, in this worker."""
+
+    started: float
+    failures: int = 0
+    delay: float = 0.0
+    last_sent: float = 0.0
+    last: AttemptError | None = None
+    crash_lives: set[int] = field(default_factory=set)  # the server lives it was dropped at the end of
+
+
 class Worker:
-    def __init__(self, conn: redis.Redis, keys: Keys, config: WorkerConfig):
+    def __init__(self, conn: redis.Redis, keys: Keys, config: WorkerConfig, backend: Backend):
         self.config = config
         self.keys = keys
+        self.backend = backend
         self.books = Bookkeeper(conn, keys, config.heartbeat_ttl, config.server)
         self._redis_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genq-redis")
         self._in_flight: dict[asyncio.Task, Taken] = {}
@@ -73,6 +98,10 @@ class Worker:
         self._background: list[asyncio.Task] = []
         self._retrying: Counter[str] = Counter()  # per dataset, jobs between two attempts
         self._retries = 0
+        self._served = 0  # generations the server returned to this worker
+        self._life = 0  # the server's restarts seen by this worker (a crash ends a life)
+        self._probation = Probation()
+        self._suspects: dict[str, _Tries] = {}  # job id -> its tries, for jobs on probation
 
     def _ctx(self, t: Taken | None = None) -> dict[str, Any]:
         """The context of a log line (fields of --log-format json)."""
@@ -127,40 +156,73 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
-        await self.redis(self.books.start)
+        info = await self._know_server()
+        if info is None:
+            return  # stopped while waiting for the server
+        await self.redis(self.books.start, {k: str(v) for k, v in info.summary().items() if v is not None})
         log.info(
-            "worker %s: serving %s with %d in flight at most",
+            "worker %s: serving %s (%s %s, model %s) with %d in flight at most",
             self.books.name,
             self.config.server,
+            info.backend,
+            info.version or "?",
+            info.model or "?",
             self.config.concurrency,
             extra={**self._ctx(), "server": self.config.server},
         )
+        for note in info.notes:
+            log.warning("server %s: %s", self.config.server, note, extra=self._ctx())
         metrics.watch(
             lambda: len(self._in_flight), lambda: sum(self._retrying.values()), self._server_up.is_set
         )
-        async with SGLangClient(self.config.server, self.config.concurrency) as client:
-            self.client = client
-            self._background += [
-                asyncio.create_task(self._heartbeats()),
-                asyncio.create_task(self._maintenance()),
-                asyncio.create_task(self._watch_health()),
-                asyncio.create_task(self._reports()),
-            ]
-            try:
-                await self._take_loop()
-                await self._drain()
-            finally:
-                for task in self._background:
-                    task.cancel()
-                await self.redis(self.books.stop)
+        self._background += [
+            asyncio.create_task(self._heartbeats()),
+            asyncio.create_task(self._maintenance()),
+            asyncio.create_task(self._watch_health()),
+            asyncio.create_task(self._reports()),
+        ]
+        try:
+            await self._take_loop()
+            await self._drain()
+        finally:
+            for task in self._background:
+                task.cancel()
+            await self.redis(self.books.stop)
         self._redis_thread.shutdown(wait=True)
         log.info("worker %s: stopped", self.books.name, extra=self._ctx())
+
+    async def _know_server(self) -> ServerInfo | None:
+        """Probe the server before taking any job (decision 13); wait while it is not up yet.
+
+        A server genq cannot use (wrong engine or version, a refused key) ends the worker with
+        one line and EXIT_REFUSED, before a single job has paid for it.
+        """
+        delay = 1.0
+        while not self._stopping.is_set():
+            try:
+                return await self.backend.probe()
+            except ServerRefused as exc:
+                log.error("worker %s: %s", self.books.name, exc, extra=self._ctx())
+                raise SystemExit(EXIT_REFUSED) from exc
+            except AttemptError as exc:
+                log.warning(
+                    "server %s not ready (%s); probing again in %.0f s",
+                    self.config.server,
+                    exc,
+                    delay,
+                    extra={**self._ctx(), "server": self.config.server},
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            delay = min(delay * 2, 30.0)
+        return None
 
     async def _take_loop(self) -> None:
         idle_polls = 0
         while not self._stopping.is_set():
             self._slot_freed.clear()
-            free = self.config.concurrency - len(self._in_flight)
+            # Suspects waiting for their turn hold no connection: they take no slot.
+            free = self.config.concurrency - len(self._in_flight) + self._probation.waiting
             taken: list[Taken] = []
             if free > 0 and self._server_up.is_set() and await self._stream_has_room():
                 taken = await self.redis(self.books.take, min(free, 256))
@@ -203,6 +265,8 @@ class Worker:
     def _job_done(self, task: asyncio.Task) -> None:
         taken = self._in_flight.pop(task, None)
         self._slot_freed.set()
+        if taken is not None:
+            self._suspects.pop(taken.job.id, None)
         if not task.cancelled() and task.exception() is not None and taken is not None:
             # Its execution is no longer heartbeated: RQ puts the job back after the TTL.
             log.error(
@@ -236,80 +300,167 @@ class Worker:
     # -- one job ----------------------------------------------------------------------------
 
     async def _run_job(self, t: Taken) -> None:
+        """Send until the job ends: a record, or an error for errors.jsonl."""
+        tries = _Tries(started=time.monotonic())
+        while not await self._try_once(t, tries):
+            await self._wait_to_retry(t.spec.dataset, tries.delay)
+
+    async def _try_once(self, t: Taken, tries: _Tries) -> bool:
+        """One send (a suspect waits for its turn first); True once the job has ended."""
+        await self._server_up.wait()
+        holds_turn = False
+        if t.crashes > 0:
+            self._suspects[t.job.id] = tries
+            holds_turn = await self._probation.turn(t.job.id, t.crashes, tries.last_sent)
+        try:
+            return await self._send(t, tries)
+        finally:
+            if holds_turn:
+                self._probation.done()
+
+    async def _send(self, t: Taken, tries: _Tries) -> bool:
         spec, job_id = t.spec, t.job.id  # job_id: RQ's, namespaced; spec.id: the record's
-        body: dict[str, Any] = {"sampling_params": spec.sampling_params}
-        if spec.input_ids is not None:
-            body["input_ids"] = spec.input_ids
-        else:
-            body["text"] = spec.text
-        timeout = self.config.attempt_timeout(spec.max_new_tokens)
-        failures = 0
-        last: AttemptError | None = None
-        started = time.monotonic()
-        while True:
-            await self._server_up.wait()
-            attempt = await self.redis(self.books.attempt, job_id)
-            if attempt > self.config.max_attempts:
-                why = last or AttemptError(
-                    "attempts_exhausted",
-                    f"used its {self.config.max_attempts} attempts without an answer "
-                    "(the workers running it stopped or died)",
-                )
-                await self._fail(t, why, attempt - 1)
-                return
-            rid = f"{job_id}-a{attempt}"
-            body["rid"] = rid
-            sent = time.monotonic()
-            try:
-                response = await self.client.generate(body, timeout)
-            except AttemptError as exc:
-                metrics.attempt(time.monotonic() - sent, exc)
-                last = exc
-                if exc.kind == "timeout":
-                    await self.client.abort(rid)
-                if not exc.retryable:
-                    await self._fail(t, exc, attempt)
-                    return
-                if exc.kind == "connection" and not exc.unavailable and not await self.client.healthy():
-                    # The connection dropped and the server is gone too: it crashed under this job
-                    # and its neighbours, no fault of the prompt. A healthy server means the drop
-                    # was this request's, and it counts.
-                    exc.unavailable = True
-                if exc.unavailable:
-                    await self.redis(self.books.attempt, job_id, -1)
-                    self._note_server_failure(f"{exc}")
-                failures += 1
-                self._retries += 1
-                delay = backoff(failures, self.config.backoff_base, self.config.backoff_cap, exc.retry_after)
-                log.info(
-                    "job %s (%s): attempt %d failed: %s; retrying in %.1f s",
-                    job_id,
-                    spec.dataset,
-                    attempt,
-                    exc,
-                    delay,
-                    extra={**self._ctx(t), "attempt": attempt, "error": exc.kind, "delay_s": round(delay, 2)},
-                )
-                await self._wait_to_retry(spec.dataset, delay)
-                continue
-            except asyncio.CancelledError:
-                await self.client.abort(rid)
-                raise
-            metrics.attempt(time.monotonic() - sent, None)
-            self._server_failures = 0
-            record = build_record(
-                spec.id,
-                spec,
-                response,
-                attempts=attempt,
-                latency_s=time.monotonic() - started,
-                server=self.config.server,
-                worker=self.books.name,
+        attempt = await self.redis(self.books.attempt, job_id)
+        if attempt > self.config.max_attempts:
+            why = tries.last or AttemptError(
+                "attempts_exhausted",
+                f"used its {self.config.max_attempts} attempts without an answer "
+                "(the workers running it stopped or died)",
             )
-            t.finishing = True
-            await self.redis(self.books.succeed, t, record)
-            metrics.finished(spec.dataset, record)
-            return
+            await self._fail(t, why, attempt - 1)
+            return True
+        # A fresh rid on every send, and none a prefix of another: SGLang refuses a rid it still
+        # holds, and aborts every rid that starts with the one given. Job ids hold no ".", and the
+        # random tail has a fixed length.
+        rid = f"{job_id}.{attempt}.{secrets.token_hex(6)}"
+        served = self._served
+        tries.last_sent = sent = time.monotonic()
+        try:
+            answer = await self.backend.generate(spec, rid, self.config.attempt_timeout(spec.max_new_tokens))
+        except asyncio.CancelledError:
+            await self.backend.abort(rid)
+            raise
+        except AttemptError as exc:
+            metrics.attempt(time.monotonic() - sent, exc)
+            tries.last = exc
+            if exc.kind == "timeout":
+                await self.backend.abort(rid)
+            ending = await self._judge(t, tries, exc, attempt, served)
+            if ending is not None:
+                await self._fail(t, *ending)
+                return True
+            tries.failures += 1
+            self._retries += 1
+            tries.delay = backoff(
+                tries.failures, self.config.backoff_base, self.config.backoff_cap, exc.retry_after
+            )
+            log.info(
+                "job %s (%s): attempt %d failed: %s; retrying in %.1f s",
+                job_id,
+                spec.dataset,
+                attempt,
+                exc,
+                tries.delay,
+                extra={
+                    **self._ctx(t),
+                    "attempt": attempt,
+                    "error": exc.kind,
+                    "delay_s": round(tries.delay, 1),
+                },
+            )
+            return False
+        metrics.attempt(time.monotonic() - sent, None)
+        self._served += 1
+        self._server_failures = 0
+        record = build_record(
+            spec,
+            answer,
+            attempts=attempt,
+            latency_s=time.monotonic() - tries.started,
+            server=self.config.server,
+            worker=self.books.name,
+            backend=self.backend.name,
+        )
+        t.finishing = True
+        await self.redis(self.books.succeed, t, record)
+        metrics.finished(spec.dataset, record)
+        return True
+
+    async def _judge(
+        self, t: Taken, tries: _Tries, exc: AttemptError, attempt: int, served: int
+    ) -> tuple[AttemptError, int] | None:
+        """What a failed send costs (decision 7, docs/failures.md). Returns (error, attempts) when
+        the job must end now, else None: retry, with the send charged or spared."""
+        cost = exc.cost
+        if exc.dropped:
+            if await self.backend.healthy():
+                cost = Cost.ATTEMPT  # the server is fine: the drop was this request's
+            else:
+                return await self._crashed(t, tries, exc, attempt)
+        if cost is Cost.FATAL:
+            return exc, attempt
+        if cost is Cost.ATTEMPT:
+            return None
+        if cost is Cost.SERVER and self._served > served:
+            # The server answered other jobs while this one was in flight: its failure is this
+            # prompt's own (SGLang's "Request running timeout reached." for a long generation).
+            return None
+        if cost is Cost.SERVER:
+            spared = await self.redis(self.books.spare, t.job.id, self.keys.spared)
+            if exc.down:
+                self._note_server_failure(str(exc))
+            if spared > self.config.max_spared:
+                return AttemptError(
+                    exc.kind,
+                    f"{exc.message} (the server failed this prompt {spared} times while it served "
+                    "no other job of this worker; --max-spared bounds that)",
+                    exc.status,
+                ), attempt - 1
+            return None
+        await self.redis(self.books.spare, t.job.id, None)  # FREE or AUTH: no work was done
+        if cost is Cost.AUTH:
+            self._close_gate(f"the server refused the API key ({exc})", self._auth_works)
+        elif exc.down:
+            self._note_server_failure(str(exc))
+        return None
+
+    async def _crashed(
+        self, t: Taken, tries: _Tries, exc: AttemptError, attempt: int
+    ) -> tuple[AttemptError, int] | None:
+        """The connection died and /health fails: the server crashed with this job in flight."""
+        crashes = await self.redis(self.books.spare, t.job.id, self.keys.crashes)
+        t.crashes = crashes
+        tries.crash_lives.add(self._life)
+        self._suspects[t.job.id] = tries
+        self._note_server_failure(f"{exc}; /health fails", at_once=True)
+        if crashes < self.config.max_crashes:
+            return None
+        pardoned = [
+            job_id
+            for job_id, other in self._suspects.items()
+            if job_id != t.job.id and other.crash_lives & tries.crash_lives
+        ]
+        for job_id in pardoned:
+            self._suspects.pop(job_id)
+            self._probation.pardon(job_id)
+        for other in self._in_flight.values():
+            if other.job.id in pardoned:
+                other.crashes = 0
+        await self.redis(self.books.pardon, pardoned)
+        log.warning(
+            "job %s (%s): in flight at %d server crashes: failing it as the suspect; %d jobs dropped "
+            "by the same crashes leave probation",
+            t.job.id,
+            t.spec.dataset,
+            crashes,
+            len(pardoned),
+            extra={**self._ctx(t), "error": "suspect_crash"},
+        )
+        message = (
+            f"the server crashed {crashes} times with this prompt in flight (resent alone among the "
+            f"jobs those crashes dropped); last: {exc.message}"
+        )
+        return AttemptError("suspect_crash", message, exc.status), attempt - 1
 
     async def _wait_to_retry(self, dataset: str, delay: float) -> None:
         """Back off (and wait for a server that is down): meanwhile the job counts as retrying."""
@@ -336,6 +487,7 @@ class Worker:
             dataset=t.spec.dataset,
             row=t.spec.row,
             sample=t.spec.sample,
+            source_id=t.spec.source_id,
             error=exc.kind,
             message=exc.message,
             status=exc.status,
@@ -345,22 +497,29 @@ class Worker:
         await self.redis(self.books.fail, t, error)
         metrics.finished(t.spec.dataset, None)
 
-    def _note_server_failure(self, why: str) -> None:
+    # -- the server gate --------------------------------------------------------------------
+
+    def _note_server_failure(self, why: str, at_once: bool = False) -> None:
         """Decision 7: a server that is down gets probed, not fed jobs (nor burns their attempts)."""
         self._server_failures += 1
-        if self._server_failures >= self.config.down_after and self._server_up.is_set():
-            self._server_up.clear()
-            log.warning(
-                "server %s looks down (%s); taking no jobs, probing /health",
-                self.config.server,
-                why,
-                extra={**self._ctx(), "server": self.config.server},
-            )
-            self._background.append(asyncio.create_task(self._probe_until_up()))
+        if at_once or self._server_failures >= self.config.down_after:
+            self._close_gate(f"server looks down ({why})", self.backend.healthy)
 
-    async def _probe_until_up(self) -> None:
+    def _close_gate(self, why: str, check: Callable[[], Any]) -> None:
+        if not self._server_up.is_set():
+            return
+        self._server_up.clear()
+        log.warning(
+            "%s %s; taking no jobs, probing until it answers",
+            self.config.server,
+            why,
+            extra={**self._ctx(), "server": self.config.server},
+        )
+        self._background.append(asyncio.create_task(self._probe_until_up(check)))
+
+    async def _probe_until_up(self, check: Callable[[], Any]) -> None:
         delay = 1.0
-        while not await self.client.healthy():
+        while not await check():
             await asyncio.sleep(delay)
             delay = min(delay * 2, 30.0)
         log.info(
@@ -368,14 +527,24 @@ class Worker:
             self.config.server,
             extra={**self._ctx(), "server": self.config.server},
         )
+        self._life += 1
         self._server_failures = 0
         self._server_up.set()
+
+    async def _auth_works(self) -> bool:
+        """The gate's check after a 401/403: the probe's tiny generation, with the key as it is now
+        (GENQ_SERVER_API_KEY_FILE is read again, so fixing the file is enough)."""
+        try:
+            await self.backend.probe()
+        except (ServerRefused, AttemptError):
+            return False
+        return True
 
     async def _watch_health(self) -> None:
         """Probe /health now and then, so a dead server is noticed even between requests."""
         while True:
             await asyncio.sleep(HEALTH_EVERY_S)
-            if self._server_up.is_set() and not await self.client.healthy():
+            if self._server_up.is_set() and not await self.backend.healthy():
                 self._note_server_failure("/health failed")
 
     # -- background -------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from worker.errors import AttemptError
+from genq.backends.base import AttemptError, Cost
 
 # Its own registry: a process serves only its role's metrics (both roles' modules get imported).
 REGISTRY = CollectorRegistry()
@@ -62,7 +62,7 @@ def attempt(seconds: float, error: AttemptError | None) -> None:
         REQUESTS.labels("ok", "").inc()
         return
     REQUESTS.labels("error", error.kind).inc()
-    if error.retryable:
+    if error.cost is not Cost.FATAL:
         RETRIES.labels(error.kind).inc()
 
 

@@ -1,50 +1,52 @@
-"""Build the record (DESIGN.md schema) from a checked /generate response."""
+"""Build the record (DESIGN.md schema) from a backend's normalized answer."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from genq.backends import Answer
 from genq.schema import SCHEMA_VERSION, JobSpec, now_iso
 from worker.reasoning import split
 
 
 def build_record(
-    record_id: str,
     spec: JobSpec,
-    response: dict[str, Any],
+    answer: Answer,
     *,
     attempts: int,
     latency_s: float,
     server: str,
     worker: str,
+    backend: str,
 ) -> dict[str, Any]:
-    meta = response["meta_info"]
-    finish = meta["finish_reason"]
-    text = response.get("text")
-    reasoning, content = None, text
+    reasoning, content = None, answer.text
     extra: dict[str, Any] = {}
     if spec.think:
-        parts = split(spec.think, response["output_ids"], text, spec.input_ids, spec.text)
+        parts = split(spec.think, answer.output_ids, answer.text, spec.input_ids, spec.text)
         reasoning, content = parts.reasoning, parts.content
         extra["reasoning_tokens"] = parts.reasoning_tokens
     if spec.keep_prompt:  # what exports need: the prompt ids (eagle3) and conversation (sharegpt)
         extra["input_ids"] = spec.input_ids
         extra["messages"] = spec.messages or ([{"role": "user", "content": spec.text}] if spec.text else None)
+    if answer.finish_length is not None:
+        extra["finish_length"] = answer.finish_length  # where the server cut max_new_tokens
+    if not answer.token_exact:
+        extra["token_exact"] = False
     return {
-        "id": record_id,
+        "id": spec.id,
         "dataset": spec.dataset,
         "row": spec.row,
         "source_id": spec.source_id,
         "sample": spec.sample,
-        "prompt_tokens": meta["prompt_tokens"],
-        "completion_tokens": meta["completion_tokens"],
-        "cached_tokens": meta.get("cached_tokens"),
-        "output_ids": response["output_ids"],
-        "text": text,
+        "prompt_tokens": answer.prompt_tokens,
+        "completion_tokens": answer.completion_tokens,
+        "cached_tokens": answer.cached_tokens,
+        "output_ids": answer.output_ids,
+        "text": answer.text,
         "reasoning": reasoning,
         "content": content,
-        "finish_reason": finish["type"],
-        "matched_stop": finish.get("matched"),
+        "finish_reason": answer.finish_reason,
+        "matched_stop": answer.matched_stop,
         "latency_s": round(latency_s, 4),
         "attempts": attempts,
         "server": server,
@@ -52,5 +54,6 @@ def build_record(
         "sampling_params": spec.sampling_params,
         "finished_at": now_iso(),
         "schema": SCHEMA_VERSION,
+        "backend": backend,
         **extra,
     }

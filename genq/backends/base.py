@@ -1,0 +1,261 @@
+"""The engine interface: one small abstract class, one module per engine API beside it.
+
+A backend turns a job into a request, sends it, normalizes the answer into the record's fields
+(:class:`Answer`) and classifies every failure (:class:`AttemptError` with its :class:`Cost`);
+it also probes its server once at start (:class:`ServerInfo`) and refuses one it cannot use
+with one clear line (:class:`ServerRefused`). The worker's retries, gate, heartbeats and
+records see only this interface, never an engine's name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar
+
+import aiohttp
+import orjson
+
+from genq.schema import JobSpec
+from genq.settings import server_api_key
+
+# Engines close idle keep-alive connections after a few seconds (SGLang's uvicorn: 5 s,
+# SGLANG_TIMEOUT_KEEP_ALIVE); close ours sooner so a pooled connection is never reused just as
+# the server drops it.
+KEEPALIVE_S = 4.0
+PROBE_TIMEOUT_S = 60.0
+
+
+class Cost(Enum):
+    """What a failed send costs the job (decision 7; the whole table is docs/failures.md)."""
+
+    FREE = "free"  # the server did no work (refused, queue full, 429): retry, costs nothing
+    ATTEMPT = "attempt"  # the prompt's own try failed: counts against --max-attempts
+    SERVER = "server"  # the server failed while working on it: spared unless it served others meanwhile
+    FATAL = "fatal"  # this request can never succeed (400): the job fails at once
+    AUTH = "auth"  # the server refused our credentials: the worker waits, no job pays
+
+
+@dataclass
+class AttemptError(Exception):
+    """One send that did not produce a record.
+
+    ``kind`` is the error class written to ``errors.jsonl``; ``message`` is the server's own
+    words where it gave any.
+    """
+
+    kind: str
+    message: str
+    status: int | None = None
+    cost: Cost = Cost.ATTEMPT
+    retry_after: float | None = None
+    # Counts toward "the server is down" (closes the gate after a few in a row).
+    down: bool = False
+    # The connection died mid-request: a crash if /health fails right after, else this request's.
+    dropped: bool = False
+
+    def __str__(self) -> str:
+        status = f" {self.status}" if self.status is not None else ""
+        return f"{self.kind}{status}: {self.message}"
+
+
+class ServerRefused(Exception):
+    """The server cannot serve genq (wrong engine or version, bad key): one line says why."""
+
+
+@dataclass
+class ServerInfo:
+    """What the probe learned about a server; None where the server does not say."""
+
+    backend: str
+    url: str
+    version: str | None = None
+    model: str | None = None
+    context_length: int | None = None  # prompt + new tokens must stay below this
+    max_input_len: int | None = None  # prompts must be shorter than this
+    vocab_size: int | None = None
+    seeds: bool | None = None  # honours a per-request seed (reproducible samples)
+    token_exact: bool = True  # output ids are the server's own, not re-tokenized text
+    notes: list[str] = field(default_factory=list)  # said once at worker start, and in status
+
+    def prompt_limit(self) -> int | None:
+        """The context length for genq's length checks: prompt + max_new_tokens must be below it."""
+        if self.context_length is not None:
+            return self.context_length
+        return self.max_input_len + 1 if self.max_input_len is not None else None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "version": self.version,
+            "model": self.model,
+            "context_length": self.prompt_limit(),
+            "seeds": self.seeds,
+            "token_exact": self.token_exact,
+        }
+
+
+@dataclass
+class Answer:
+    """A finished generation, in the record's terms."""
+
+    output_ids: list[int] | None
+    text: str | None
+    finish_reason: str  # "stop" | "length"
+    matched_stop: int | str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None
+    finish_length: int | None = None  # where the server cut max_new_tokens (a length finish)
+    token_exact: bool = True
+
+
+class Http:
+    """The worker's connection pool to one server, with its API key.
+
+    No pool or read timeout here: the caller bounds each attempt (decision 8). aiohttp, not
+    httpx (decision 3): its CPU cost per request stays flat at hundreds in flight.
+    """
+
+    def __init__(self, base_url: str, max_connections: int = 16) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Http:
+        connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=15)
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        key = server_api_key()  # read each time: a rotated key file is picked up
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return {**headers, **(extra or {})}
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, bytes, Any]:
+        """(status, body, headers) of one request; transport failures as AttemptError."""
+        assert self._session is not None, "use Http as an async context manager"
+        data = orjson.dumps(body) if body is not None else None
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._session.request(
+                    method, self.base_url + path, data=data, headers=self.headers(headers)
+                ) as resp:
+                    return resp.status, await resp.read(), resp.headers
+        except TimeoutError as exc:
+            raise AttemptError("timeout", f"no response within {timeout:.0f} s") from exc
+        except aiohttp.ClientConnectorError as exc:
+            # Nothing was sent: the server is not there. Costs nothing; a few in a row close the gate.
+            raise AttemptError("connection", str(exc), cost=Cost.FREE, down=True) from exc
+        except aiohttp.ClientPayloadError as exc:
+            raise AttemptError("bad_response", f"truncated body: {exc}") from exc
+        except aiohttp.ClientError as exc:
+            raise AttemptError(
+                "connection", f"{type(exc).__name__}: {exc}", cost=Cost.SERVER, dropped=True
+            ) from exc
+
+    async def get_json(self, path: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[int, Any]:
+        """(status, parsed JSON or None) of a GET, for probes."""
+        status, raw, _ = await self.call("GET", path, timeout=timeout)
+        try:
+            return status, orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            return status, None
+
+
+class Backend(ABC):
+    """One engine API. Subclasses are small: a body builder, a parser, a classifier, a probe."""
+
+    name: ClassVar[str]
+    health_path: ClassVar[str] = "/health"
+
+    def __init__(self, http: Http) -> None:
+        self.http = http
+        self.info: ServerInfo | None = None
+
+    @abstractmethod
+    async def probe(self) -> ServerInfo:
+        """Read the server's facts and send one tiny generation; raise ServerRefused if unusable."""
+
+    @abstractmethod
+    async def generate(self, spec: JobSpec, rid: str, timeout: float) -> Answer:
+        """One send of ``spec`` under request id ``rid``; raise AttemptError on any failure."""
+
+    async def abort(self, rid: str) -> None:  # noqa: B027 - most engines need nothing more
+        """Stop the server's work on ``rid`` after giving up on it. Default: nothing beyond closing
+        the connection, which the timeout already did (vLLM and llama.cpp abort on that)."""
+
+    async def healthy(self) -> bool:
+        try:
+            status, _, _ = await self.http.call("GET", self.health_path, timeout=10)
+        except AttemptError:
+            return False
+        return status == 200
+
+
+def error_message(raw: bytes) -> str:
+    """The server's own words from an error body, whatever shape the engine gives it."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw[:2000].decode("utf-8", "replace").strip() or "(empty body)"
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in data:
+            return str(data["message"])
+        if isinstance(err, str):
+            return err
+        if "detail" in data:
+            return str(data["detail"])
+    return raw[:2000].decode("utf-8", "replace")
+
+
+def retry_after(headers: Any) -> float | None:
+    value = headers.get("Retry-After") if headers is not None else None
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def from_status(status: int, raw: bytes, headers: Any) -> AttemptError:
+    """The generic meaning of an HTTP error status; engines refine it (their own 400s and 503s)."""
+    message, after = error_message(raw), retry_after(headers)
+    if status in (401, 403):
+        return AttemptError("auth", message, status, cost=Cost.AUTH)
+    if status in (400, 413, 422):
+        return AttemptError("bad_request", message, status, cost=Cost.FATAL)
+    if status == 429:
+        return AttemptError("rate_limited", message, status, cost=Cost.FREE, retry_after=after)
+    if status == 503:
+        return AttemptError("unavailable", message, status, cost=Cost.SERVER, retry_after=after, down=True)
+    if status >= 500:
+        return AttemptError("server_error", message, status, retry_after=after)
+    return AttemptError("http_error", message, status, retry_after=after)
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise AttemptError("bad_response", f"body is not JSON ({len(raw)} bytes): {exc}") from exc

@@ -1,0 +1,210 @@
+"""SGLang's native ``POST /generate``: token ids in, token ids out (decision 6).
+
+Facts from SGLang's own source (the wheels 0.4.6 to 0.5.23, paths under ``sglang/srt/``):
+
+- ``entrypoints/http_server.py``: ``/server_info`` (only ``/get_server_info`` up to ~0.5.5) is the
+  resolved server args plus scheduler info; ``context_length`` is null unless the server got
+  ``--context-length``, ``max_req_input_len`` is always there (prompts must be shorter).
+  ``/model_info`` (``/get_model_info`` before). ``/health`` stays 200 under ``--api-key``.
+- ``managers/io_struct.py`` / ``sampling/sampling_params.py``: ``max_new_tokens`` defaults to
+  128, so genq always sends it; unknown sampling keys are an error.
+- ``managers/tokenizer_manager.py``: ``output_ids`` untrimmed (the EOS or stop token is its last
+  id); absent in 0.4.x, and in 0.5.1 led by up to 5 prompt tokens (``detokenizer_manager.py``
+  passed the detokenizer's window), right from 0.5.5: genq needs 0.5.5 or newer;
+  ``meta_info.finish_reason`` is ``{"type": "stop", "matched": id|str}``,
+  ``{"type": "length", "length": n}`` (n: the max_new_tokens the scheduler actually used, which
+  may be lower than asked) or ``{"type": "abort", "message"}`` with HTTP 200.
+- ``managers/scheduler.py``: a sampled token outside the vocabulary ends the request as
+  ``{"type": "stop", "matched": "NaN happened"}``; ``SGLANG_REQ_RUNNING_TIMEOUT`` answers a long
+  request 503 "Request running timeout reached."; ``--max-queued-requests`` answers 503 "The
+  request queue is full."; retraction under memory pressure is a 503 too.
+- ``managers/tokenizer_manager.py``: a rid still held answers 400 "Duplicate request ID
+  detected" (0.5.15 on); ``/abort_request`` aborts every rid that starts with the one given.
+- ``sampling/sampling_batch_info.py``: ``sampling_seed`` is honoured only with
+  ``--enable-deterministic-inference`` (shown as ``enable_deterministic_inference`` in
+  /server_info), accepted and ignored otherwise.
+- No endpoint tells the vocabulary size; ``utils/auth.py`` exempts ``/health*`` from the API key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from typing import Any
+
+from genq.backends.base import (
+    Answer,
+    AttemptError,
+    Backend,
+    Cost,
+    ServerInfo,
+    ServerRefused,
+    error_message,
+    from_status,
+    parse_json,
+)
+from genq.schema import JobSpec
+
+NAN_MATCHED = "NaN happened"
+MIN_VERSION = "0.5.5"
+PROBE_IDS = [1, 2, 3]
+
+
+class SGLang(Backend):
+    name = "sglang"
+
+    # -- probe ------------------------------------------------------------------------------
+
+    async def probe(self) -> ServerInfo:
+        url = self.http.base_url
+        status, info = await self.http.get_json("/server_info")
+        if status == 404:  # SGLang <= 0.5.5 has only the old name
+            status, info = await self.http.get_json("/get_server_info")
+        if status in (401, 403):
+            raise ServerRefused(f"{url} refused genq's API key on /server_info ({status}): {_key_hint()}")
+        if status != 200 or not isinstance(info, dict) or "max_req_input_len" not in info:
+            raise ServerRefused(
+                f"{url} does not answer /server_info like SGLang (HTTP {status}); "
+                "is it an SGLang server? (other engines: --backend vllm, openai-chat or llamacpp)"
+            )
+        _, model = await self.http.get_json("/model_info")
+        if not isinstance(model, dict):
+            _, model = await self.http.get_json("/get_model_info")
+        model = model if isinstance(model, dict) else {}
+        version = _str(info.get("version"))
+        seeds = bool(info.get("enable_deterministic_inference"))
+        result = ServerInfo(
+            backend=self.name,
+            url=url,
+            version=version,
+            model=_str(model.get("served_model_name") or model.get("model_path") or info.get("model_path")),
+            context_length=_int(info.get("context_length")),
+            max_input_len=_int(info.get("max_req_input_len")),
+            seeds=seeds,
+        )
+        await self._probe_generate(result)
+        if not seeds:
+            result.notes.append(
+                "it ignores sampling_seed (started without --enable-deterministic-inference): "
+                "samples that rely on seeds are not reproducible"
+            )
+        self.info = result
+        return result
+
+    async def _probe_generate(self, info: ServerInfo) -> None:
+        """One tiny generation: the key works, and the answer carries output_ids (SGLang >= 0.5)."""
+        body = {
+            "input_ids": PROBE_IDS,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "rid": f"genq-probe.{secrets.token_hex(6)}",
+        }
+        status, raw, _ = await self.http.call("POST", "/generate", body, timeout=120)
+        if status in (401, 403):
+            raise ServerRefused(
+                f"{info.url} refused genq's API key on /generate "
+                f"({status}: {error_message(raw)}): {_key_hint()}"
+            )
+        if status == 503:  # starting, unhealthy, overloaded: wait for it, do not refuse it
+            raise from_status(status, raw, None)
+        if status >= 500:  # up but failing: the jobs' own attempts will tell
+            info.notes.append(f"its 1-token probe generation failed ({status}: {error_message(raw)})")
+            return
+        if status != 200:
+            raise ServerRefused(f"{info.url} refused a 1-token /generate ({status}): {error_message(raw)}")
+        data = parse_json(raw)
+        output_ids = data.get("output_ids") if isinstance(data, dict) else None
+        if not isinstance(output_ids, list):
+            raise ServerRefused(
+                f"{info.url} (SGLang {info.version or '?'}) answers /generate without output_ids: "
+                f"genq needs SGLang >= {MIN_VERSION} for token-exact records (0.4.x returns text only)"
+            )
+        completion = (data.get("meta_info") or {}).get("completion_tokens")
+        if len(output_ids) != completion:
+            # 0.5.1 built output_ids from the detokenizer's window: up to 5 prompt tokens lead them.
+            raise ServerRefused(
+                f"{info.url} (SGLang {info.version or '?'}) returns {len(output_ids)} output_ids for "
+                f"{completion} completion tokens: its output_ids are not the completion's "
+                f"(SGLang 0.5.1 prefixes prompt tokens); genq needs SGLang >= {MIN_VERSION}"
+            )
+
+    # -- generate ---------------------------------------------------------------------------
+
+    def body(self, spec: JobSpec, rid: str) -> dict[str, Any]:
+        body: dict[str, Any] = {"sampling_params": spec.sampling_params, "rid": rid}
+        if spec.input_ids is not None:
+            body["input_ids"] = spec.input_ids
+        else:
+            body["text"] = spec.text
+        return body
+
+    async def generate(self, spec: JobSpec, rid: str, timeout: float) -> Answer:
+        body = self.body(spec, rid)
+        status, raw, headers = await self.http.call("POST", "/generate", body, timeout=timeout)
+        if status != 200:
+            raise classify(status, raw, headers)
+        return answer(parse_json(raw))
+
+    async def abort(self, rid: str) -> None:
+        """``POST /abort_request``: the GPU stops working on a request genq gave up on."""
+        with contextlib.suppress(AttemptError):  # best effort: a server that is gone is not working
+            await self.http.call("POST", "/abort_request", {"rid": rid}, timeout=10)
+
+
+def classify(status: int, raw: bytes, headers: Any) -> AttemptError:
+    """SGLang's error statuses, refined by its own messages."""
+    exc = from_status(status, raw, headers)
+    message = exc.message
+    if status == 400 and "Duplicate request ID" in message:
+        # genq never reuses a rid; should it happen anyway, the old request is still running.
+        exc.kind, exc.cost = "duplicate_rid", Cost.ATTEMPT
+    elif status == 503 and "queue is full" in message:
+        exc.kind, exc.cost, exc.down = "overloaded", Cost.FREE, False  # refused before any work
+    elif status == 503 and "running timeout" in message:
+        exc.kind, exc.down = "server_timeout", False  # the server is up; this generation ran too long
+    elif status == 503 and "Retracted" in message:
+        exc.down = False  # memory pressure: the server is up
+    return exc
+
+
+def answer(data: Any) -> Answer:
+    """The record's fields from a /generate body, or AttemptError if it is not a finished generation."""
+    meta = data.get("meta_info") if isinstance(data, dict) else None
+    if not isinstance(meta, dict):
+        raise AttemptError("bad_response", "response has no meta_info")
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else None
+    if kind == "abort":
+        raise AttemptError("aborted", str(finish.get("message") or "request aborted by the server"), 200)
+    if kind == "stop" and finish.get("matched") == NAN_MATCHED:
+        # The sampler produced NaN/an id outside the vocabulary: not a real completion.
+        raise AttemptError("nan", "the server's sampler hit NaN (finish_reason matched 'NaN happened')", 200)
+    if kind not in ("stop", "length"):
+        raise AttemptError("bad_response", f"unexpected finish_reason {finish!r}")
+    output_ids = data.get("output_ids")
+    if not isinstance(output_ids, list):
+        raise AttemptError("bad_response", "response has no output_ids")
+    for name in ("prompt_tokens", "completion_tokens"):
+        if not isinstance(meta.get(name), int):
+            raise AttemptError("bad_response", f"meta_info.{name} missing or not an integer")
+    return Answer(
+        output_ids=output_ids,
+        text=data.get("text"),
+        finish_reason=kind,
+        matched_stop=finish.get("matched"),
+        prompt_tokens=meta["prompt_tokens"],
+        completion_tokens=meta["completion_tokens"],
+        cached_tokens=_int(meta.get("cached_tokens")),
+        finish_length=_int(finish.get("length")) if kind == "length" else None,
+    )
+
+
+def _key_hint() -> str:
+    return "set GENQ_SERVER_API_KEY or GENQ_SERVER_API_KEY_FILE to the server's --api-key"
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str(value: Any) -> str | None:
+    return str(value) if value is not None else None
