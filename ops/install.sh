@@ -99,6 +99,10 @@ if [[ ! -e "$conf_dir/redis-password" ]]; then
   install -m 0600 /dev/null "$conf_dir/redis-password"
   echo "wrote an empty $conf_dir/redis-password: put the Redis password in it"
 fi
+# The inference servers' API key (their --api-key), the same way. Empty: the servers need none.
+if [[ ! -e "$conf_dir/server-api-key" ]]; then
+  install -m 0600 /dev/null "$conf_dir/server-api-key"
+fi
 # The dashboard's basic-auth password: a random one, root-only, handed over as a credential too.
 if [[ ! -e "$conf_dir/dashboard-password" ]]; then
   (umask 077 && head -c 18 /dev/urandom | base64 >"$conf_dir/dashboard-password")

@@ -15,7 +15,7 @@ from typing import Any
 import click
 from aiohttp import web
 
-from sim import model
+from sim import model, versions
 from sim.config import SimConfig
 from sim.faults import FaultRates
 from sim.server import make_app
@@ -55,7 +55,43 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
 @click.command("sim-server")
 @_option("--host", default="127.0.0.1", help="Address to bind.")
 @_option("--port", default=30000, type=click.IntRange(0, 65535), help="Port; 0 picks a free one.")
-@_option("--context-length", default=model.DEFAULT_CONTEXT_LENGTH, type=click.IntRange(2), help="Context.")
+@_option(
+    "--context-length",
+    default=None,
+    type=click.IntRange(8),
+    help="SGLang's --context-length: enforced and shown in /server_info (null there when not given).",
+)
+@_option(
+    "--model-context-length",
+    default=model.DEFAULT_CONTEXT_LENGTH,
+    type=click.IntRange(8),
+    help="The model's own context (config.json), used when --context-length is not given.",
+)
+@_option(
+    "--sglang-version",
+    default="0.5.23",
+    help=f"SGLang release whose API to imitate (known: {', '.join(versions.KNOWN)}).",
+)
+@_option("--api-key", default=None, help="Require this Bearer key (SGLang --api-key); /health stays open.")
+@_option(
+    "--deterministic-inference/--no-deterministic-inference",
+    default=True,
+    help="Honour sampling_seed (SGLang's --enable-deterministic-inference); off: accept and ignore it.",
+)
+@_option(
+    "--req-running-timeout",
+    default=None,
+    type=click.FloatRange(min=0, min_open=True),
+    help="SGLANG_REQ_RUNNING_TIMEOUT: a request running longer gets 503 (realistic latency only).",
+)
+@_option(
+    "--max-new-tokens-limit",
+    default=None,
+    type=click.IntRange(1),
+    help="SGLANG_MAX_NEW_TOKENS_LIMIT: max_new_tokens lowered silently (finish_reason.length says so).",
+)
+@_option("--startup-s", default=0.0, type=click.FloatRange(0.0), help="/health answers 503 this long.")
+@_option("--health-timeout", default=20.0, type=click.FloatRange(0.0), help="SGLANG_HEALTH_CHECK_TIMEOUT.")
 @_option("--min-len", default=model.DEFAULT_MIN_LEN, type=click.IntRange(1), help="Shortest natural output.")
 @_option("--max-len", default=model.DEFAULT_MAX_LEN, type=click.IntRange(1), help="Longest natural output.")
 @_option("--latency", default="zero", type=click.Choice(["zero", "realistic"]), help="Latency model.")
@@ -86,11 +122,21 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
 @_option("--fail-hang", default=0.0, type=RATE, help="Rate of requests never answered.")
 @_option("--fail-abort", default=0.0, type=RATE, help="Rate of HTTP 200 answers with finish_reason abort.")
 @_option("--fail-truncate", default=0.0, type=RATE, help="Rate of bodies cut off halfway.")
+@_option("--fail-nan", default=0.0, type=RATE, help="Rate of finish_reason matched 'NaN happened'.")
+@_option("--fail-duplicate", default=0.0, type=RATE, help="Rate of 400 'Duplicate request ID detected'.")
 @_option("--seed", default=0, type=int, help="Seed of the fault RNG.")
 def sim_server(
     host: str,
     port: int,
-    context_length: int,
+    context_length: int | None,
+    model_context_length: int,
+    sglang_version: str,
+    api_key: str | None,
+    deterministic_inference: bool,
+    req_running_timeout: float | None,
+    max_new_tokens_limit: int | None,
+    startup_s: float,
+    health_timeout: float,
     min_len: int,
     max_len: int,
     latency: str,
@@ -107,6 +153,8 @@ def sim_server(
     fail_hang: float,
     fail_abort: float,
     fail_truncate: float,
+    fail_nan: float,
+    fail_duplicate: float,
     seed: int,
 ) -> None:
     """Run a simulator of SGLang's native HTTP API (no GPU needed)."""
@@ -119,9 +167,20 @@ def sim_server(
             hang=fail_hang,
             abort=fail_abort,
             truncate=fail_truncate,
+            nan=fail_nan,
+            duplicate=fail_duplicate,
         )
+        versions.parse(sglang_version)
         config = SimConfig(
             context_length=context_length,
+            model_context_length=model_context_length,
+            version=sglang_version,
+            api_key=api_key,
+            deterministic=deterministic_inference,
+            req_running_timeout_s=req_running_timeout,
+            max_new_tokens_limit=max_new_tokens_limit,
+            startup_s=startup_s,
+            health_timeout_s=health_timeout,
             min_len=min_len,
             max_len=max_len,
             latency=latency,

@@ -13,7 +13,10 @@ from sim.scheduler import LatencyParams
 class SimConfig:
     """Everything that shapes the simulated server; defaults suit tests (instant, no faults)."""
 
-    context_length: int = model.DEFAULT_CONTEXT_LENGTH
+    # SGLang's --context-length: None (the default) reports null in /server_info and uses the
+    # model's own context, model_context_length.
+    context_length: int | None = None
+    model_context_length: int = model.DEFAULT_CONTEXT_LENGTH
     min_len: int = model.DEFAULT_MIN_LEN  # natural output length range of the toy model (EOS included)
     max_len: int = model.DEFAULT_MAX_LEN
     latency: str = "zero"  # "zero": answer at once; "realistic": continuous-batching model
@@ -29,16 +32,35 @@ class SimConfig:
     keepalive_s: float = 5.0  # SGLang's uvicorn keep-alive: idle pooled connections die after 5 s
     disconnect_check_s: float = 4.0  # like SGLang, a gone client is noticed only every few seconds
     prefix_cache_entries: int = 10000  # prompts remembered for cached_tokens; 0 turns it off
+    version: str = "0.5.23"  # the SGLang release whose API quirks to show (sim/versions.py)
+    api_key: str | None = None  # --api-key: /generate and the info routes answer 401 without it
+    # --enable-deterministic-inference: sampling_seed changes the output. On by default here (the
+    # toy model is deterministic anyway); off, seeds are accepted and ignored as in SGLang's default.
+    deterministic: bool = True
+    req_running_timeout_s: float | None = None  # SGLANG_REQ_RUNNING_TIMEOUT: 503 past it
+    max_new_tokens_limit: int | None = None  # SGLANG_MAX_NEW_TOKENS_LIMIT: silent cap, length says
+    startup_s: float = 0.0  # /health answers 503 "starting" this long; generations wait for it
+    health_timeout_s: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT: /health's generation gives up
 
     def __post_init__(self) -> None:
         if self.latency not in ("zero", "realistic"):
             raise ValueError(f"latency must be 'zero' or 'realistic', got {self.latency!r}")
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
-        if self.context_length < 2:
-            raise ValueError("context_length must be at least 2")
+        if min(self.context_length or 8, self.model_context_length) < 8:
+            raise ValueError("context lengths must be at least 8")
         if self.batch_knee <= 0 or self.tokens_per_tick < 1 or self.max_running_requests < 1:
             raise ValueError("batch_knee, tokens_per_tick and max_running_requests must be positive")
+
+    @property
+    def context(self) -> int:
+        """The context the server enforces: --context-length if given, else the model's."""
+        return self.context_length or self.model_context_length
+
+    @property
+    def max_req_input_len(self) -> int:
+        """SGLang: min(context - 1, KV capacity - 1) - 5; the KV pool is never the limit here."""
+        return self.context - 6
 
     def latency_params(self) -> LatencyParams:
         return LatencyParams(
@@ -48,4 +70,5 @@ class SimConfig:
             tokens_per_tick=self.tokens_per_tick,
             max_running=self.max_running_requests,
             max_queued=self.max_queued_requests,
+            running_timeout_s=self.req_running_timeout_s,
         )

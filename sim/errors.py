@@ -38,3 +38,18 @@ def validation_error(message: str) -> web.Response:
     """400 as SGLang renders a request that fails schema validation."""
     body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
     return json_response(body, status=400)
+
+
+def schema_error(message: str) -> web.Response:
+    """400 as SGLang 0.5.22+'s schema gate answers (entrypoints/api_contract.py): a plain string."""
+    return json_response({"error": message}, status=400)
+
+
+def internal_error(message: str = "Internal Server Error") -> web.Response:
+    """Starlette's plain-text 500 for an exception nobody caught (e.g. SamplingParams' TypeError)."""
+    return web.Response(status=500, text=message, content_type="text/plain")
+
+
+def unauthorized() -> web.Response:
+    """401 of SGLang's API-key middleware (utils/auth.py)."""
+    return json_response({"error": "Unauthorized"}, status=401)

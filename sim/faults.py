@@ -1,6 +1,7 @@
 """Fault injection: which failure, if any, a request meets.
 
-Clients of a real server see 5xx answers, resets, hangs, HTTP-200 aborts and cut-off bodies;
+Clients of a real server see 5xx answers, resets, hangs, HTTP-200 aborts, NaN finishes and
+cut-off bodies (429 is opt-in only: SGLang never sends it);
 the simulator produces each at a configured rate so retry paths get exercised. One seeded RNG
 draw per request keeps a run reproducible for a given request order.
 """
@@ -12,7 +13,17 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-FAULT_KINDS = ("error_500", "error_503", "error_429", "reset", "hang", "abort", "truncate")
+FAULT_KINDS = (
+    "error_500",
+    "error_503",
+    "error_429",
+    "reset",
+    "hang",
+    "abort",
+    "truncate",
+    "nan",
+    "duplicate",
+)
 
 
 @dataclass
@@ -26,6 +37,8 @@ class FaultRates:
     hang: float = 0.0
     abort: float = 0.0
     truncate: float = 0.0
+    nan: float = 0.0  # 200 with finish_reason stop, matched "NaN happened" (the sampler hit NaN)
+    duplicate: float = 0.0  # 400 "Duplicate request ID detected" (a rid reused while still held)
 
     def __post_init__(self) -> None:
         for kind in FAULT_KINDS:

@@ -19,10 +19,11 @@ import orjson
 from aiohttp import web
 
 from sim import model
-from sim.errors import http_error, json_response
+from sim.errors import http_error, json_response, value_error
 from sim.request import GenerateRequest, RequestError, check_rid, parse_body, parse_generate
 from sim.scheduler import QueueFull
 from sim.state import SIM_STATE, Flight, SimState
+from sim.versions import Quirks
 
 _REFUSALS: dict[str, tuple[int, str, dict[str, str] | None]] = {
     "error_500": (500, "Internal server error (injected)", None),
@@ -61,25 +62,30 @@ async def _send_truncated(request: web.Request, payload: bytes) -> web.StreamRes
 
 
 class _Answer:
-    """Builds SGLang's response body for one request."""
+    """Builds SGLang's response body for one request, as the imitated release shapes it."""
 
-    def __init__(self, rid: str, req: GenerateRequest, cached_tokens: int, started: float) -> None:
+    def __init__(
+        self, rid: str, req: GenerateRequest, cached_tokens: int, started: float, quirks: Quirks
+    ) -> None:
         self.rid, self.req, self.cached_tokens, self.started = rid, req, cached_tokens, started
+        self.quirks = quirks
 
     def body(self, output_ids: list[int], text: str, finish_reason: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "text": text,
-            "output_ids": output_ids,
-            "meta_info": {
-                "id": self.rid,
-                "finish_reason": finish_reason,
-                "prompt_tokens": len(self.req.input_ids),
-                "weight_version": "default",
-                "completion_tokens": len(output_ids),
-                "cached_tokens": self.cached_tokens,
-                "e2e_latency": time.monotonic() - self.started,
-            },
+        body: dict[str, Any] = {"text": text}
+        if self.quirks.output_ids_lead_with_prompt:
+            body["output_ids"] = self.req.input_ids[-5:] + output_ids
+        elif self.quirks.output_ids:
+            body["output_ids"] = output_ids
+        body["meta_info"] = {
+            "id": self.rid,
+            "finish_reason": finish_reason,
+            "prompt_tokens": len(self.req.input_ids),
+            "weight_version": "default",
+            "completion_tokens": len(output_ids),
+            "cached_tokens": self.cached_tokens,
+            "e2e_latency": time.monotonic() - self.started,
         }
+        return body
 
     def aborted(self, output_ids: list[int], message: str) -> web.Response:
         skip = bool(self.req.sampling_params.get("skip_special_tokens", True))
@@ -95,23 +101,35 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     if not state.healthy:
         state.stats.unhealthy += 1
         return http_error(503, "The server is not healthy (simulated).")
+    quirks, config = state.quirks, state.config
     try:
         body = parse_body(await request.read())
         rid = check_rid(body)
-        if rid is not None and rid in state.in_flight:
+        if rid is not None and rid in state.in_flight and quirks.duplicate_rid_check:
             raise RequestError(f"Duplicate request ID detected: {rid}")
-        req = parse_generate(body, context_length=state.config.context_length)
+        req = parse_generate(
+            body,
+            context=config.context,
+            max_input_len=config.max_req_input_len,
+            quirks=quirks,
+            max_new_tokens_limit=config.max_new_tokens_limit,
+        )
     except RequestError as exc:
         state.stats.rejected += 1
         return exc.response()
+    if not req.ids_in_vocab:
+        state.crash(f"input ids outside the vocabulary [0, {model.VOCAB_SIZE}) reached the embedding")
+    await state.started.wait()
     rid = req.rid if req.rid is not None else uuid.uuid4().hex
+    state.note_rid(rid)
     flight = Flight(rid)
     state.in_flight[rid] = flight
     state.stats.enter()
     try:
         return await _serve(request, state, req, flight, started)
     finally:
-        state.in_flight.pop(rid, None)
+        if state.in_flight.get(rid) is flight:
+            del state.in_flight[rid]
         state.stats.leave()
 
 
@@ -124,17 +142,19 @@ async def _serve(
     if fault in _REFUSALS:
         status, message, headers = _REFUSALS[fault]
         return http_error(status, message, headers)
-    answer = _Answer(flight.rid, req, state.cache.lookup(req.input_ids), started)
+    if fault == "duplicate":
+        return value_error(f"Duplicate request ID detected: {flight.rid}")
+    answer = _Answer(flight.rid, req, state.cache.lookup(req.input_ids), started, state.quirks)
     if fault == "abort":
         state.stats.aborted += 1
         return answer.aborted([], "Abort (injected)")
     if fault == "hang":
         return await _hang(request, state, flight, answer)
 
-    gen = model.generate(
-        req.input_ids, req.sampling_params, min_len=state.config.min_len, max_len=state.config.max_len
-    )
-    done = gen.completion_tokens
+    params = req.sampling_params
+    if not state.config.deterministic:  # accepted and ignored, as without --enable-deterministic-inference
+        params = {k: v for k, v in params.items() if k != "sampling_seed"}
+    gen = model.generate(req.input_ids, params, min_len=state.config.min_len, max_len=state.config.max_len)
     if state.scheduler is not None:
         try:
             seq = state.scheduler.submit(len(req.input_ids) - answer.cached_tokens, gen.completion_tokens)
@@ -146,19 +166,26 @@ async def _serve(
             await asyncio.wait({seq.future}, timeout=state.config.disconnect_check_s)
             if not seq.finished and _client_gone(request):
                 state.scheduler.abort(seq, "Client disconnected.")
-        done = seq.done
-        state.stats.tokens_generated += done
+        state.stats.tokens_generated += seq.done
         if seq.abort_message is not None:
             if _client_gone(request):
                 state.stats.disconnected += 1
                 return web.Response(status=499)
             state.stats.aborted += 1
-            return answer.aborted(gen.output_ids[:done], seq.abort_message)
+            if seq.abort_status is not None and state.quirks.error_aborts:
+                state.stats.timed_out += 1
+                return http_error(seq.abort_status, seq.abort_message)
+            return answer.aborted(gen.output_ids[: seq.done], seq.abort_message)
     else:
-        state.stats.tokens_generated += done
+        state.stats.tokens_generated += gen.completion_tokens
     state.stats.generations += 1
 
-    payload = orjson.dumps(answer.body(gen.output_ids, gen.text, gen.finish_reason))
+    output_ids, finish_reason = gen.output_ids, gen.finish_reason
+    if fault == "nan" and state.quirks.nan_check:
+        # schedule_batch.py: the id sampled outside the vocabulary is replaced by EOS.
+        output_ids = [*output_ids[:-1], model.EOS_TOKEN_ID]
+        finish_reason = {"type": "stop", "matched": "NaN happened"}
+    payload = orjson.dumps(answer.body(output_ids, gen.text, finish_reason))
     if fault == "reset":
         _reset_connection(request)
         return web.Response(status=500)  # never sent: the connection is gone

@@ -1,7 +1,8 @@
 """Parsing and validating a /generate body with SGLang's rules and messages.
 
 A client that passes here passes the real server, and one that is rejected here is rejected
-there (with two stricter choices, noted where they are made).
+there, with the status and body shape of the release the simulator imitates (sim/versions.py).
+Paths in comments are under ``sglang/srt/`` in the wheel.
 """
 
 from __future__ import annotations
@@ -14,50 +15,60 @@ import orjson
 from aiohttp import web
 
 from sim import model
-from sim.errors import validation_error, value_error
+from sim.errors import internal_error, schema_error, validation_error, value_error
+from sim.versions import Quirks
 
-# The fields of SGLang's SamplingParams; anything else is an error there.
-SAMPLING_KEYS = frozenset(
-    {
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "stop",
-        "stop_token_ids",
-        "stop_regex",
-        "ignore_eos",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "no_stop_trim",
-        "sampling_seed",
-        "n",
-        "json_schema",
-        "regex",
-        "ebnf",
-        "structural_tag",
-        "min_new_tokens",
-        "logit_bias",
-        "custom_params",
-        "stream_interval",
-    }
+# The fields of SGLang 0.5.23's SamplingParams (sampling/sampling_params.py), in its order.
+SAMPLING_KEYS = (
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "beam_width",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+    "custom_params",
+    "watermark",
 )
+# `scheduler.py` init_req_max_new_tokens: an explicit null means "no limit" before clamping.
+NO_LIMIT = 1 << 30
 
 
 class RequestError(Exception):
-    """A rejected request; `validation` picks the schema-error body over the ValueError one."""
+    """A rejected request, answered in the body shape of the place SGLang rejects it:
 
-    def __init__(self, message: str, *, validation: bool = False) -> None:
+    ``value`` 400 {"error": {"message"}} (a ValueError), ``validation`` 400 ErrorResponse (pydantic),
+    ``schema`` 400 {"error": "..."} (0.5.22's schema gate), ``internal`` plain-text 500 (a TypeError
+    nobody catches).
+    """
+
+    def __init__(self, message: str, *, kind: str = "value") -> None:
         super().__init__(message)
         self.message = message
-        self.validation = validation
+        self.kind = kind
 
     def response(self) -> web.Response:
-        return validation_error(self.message) if self.validation else value_error(self.message)
+        return {"value": value_error, "validation": validation_error, "schema": schema_error}.get(
+            self.kind, internal_error
+        )(self.message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +78,13 @@ class GenerateRequest:
     rid: str | None
     input_ids: list[int]
     sampling_params: dict[str, Any]
+    requested_max_new_tokens: int | None = None  # before the scheduler's clamp
+
+    @property
+    def ids_in_vocab(self) -> bool:
+        """SGLang never checks this (tokenizer_manager.py's check is not called): ids outside the
+        vocabulary reach the embedding, and a GPU faults on them."""
+        return all(0 <= i < model.VOCAB_SIZE for i in self.input_ids)
 
     @property
     def max_new_tokens(self) -> int:
@@ -97,37 +115,28 @@ def check_rid(body: dict[str, Any]) -> str | None:
     if isinstance(rid, list):
         raise RequestError("The simulator does not support batch requests (rid is a list).")
     if rid is not None and not isinstance(rid, str):
-        raise RequestError("rid: Input should be a valid string", validation=True)
+        raise RequestError("rid: Input should be a valid string", kind="validation")
     return rid
 
 
 def _prompt_ids(body: dict[str, Any]) -> list[int]:
+    """io_struct.py: one of text/input_ids/input_embeds; with both text and input_ids, the ids win."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if body.get("input_embeds") is not None:
         raise RequestError("The simulator does not support input_embeds.")
     if text is None and input_ids is None:
         raise RequestError("Either text, input_ids or input_embeds should be provided.")
-    if text is not None and input_ids is not None:
-        # Stricter than SGLang, which silently prefers input_ids: sending both is a client bug.
-        raise RequestError("Only one of text, input_ids or input_embeds should be provided.")
     nested_ids = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
-    if isinstance(text, list) or nested_ids:
+    if (input_ids is None and isinstance(text, list)) or nested_ids:
         raise RequestError("The simulator does not support batch requests (a list of prompts).")
-    if text is not None:
+    if input_ids is None:
         if not isinstance(text, str):
-            raise RequestError("text: Input should be a valid string", validation=True)
+            raise RequestError("text: Input should be a valid string", kind="validation")
         return model.tokenize(text)
     if not isinstance(input_ids, list) or not all(_is_int(i) for i in input_ids):
-        raise RequestError("input_ids: Input should be a valid list of integers", validation=True)
+        raise RequestError("input_ids: Input should be a valid list of integers", kind="validation")
     if not input_ids:
         raise RequestError("input_ids must not be empty.")
-    if any(i >= model.VOCAB_SIZE for i in input_ids):
-        raise RequestError(
-            f"The input_ids {input_ids} contains values greater than the vocab size ({model.VOCAB_SIZE})."
-        )
-    negative = next((i for i in input_ids if i < 0), None)
-    if negative is not None:
-        raise RequestError(f"The input_ids contain a negative token id ({negative}).")
     return list(input_ids)
 
 
@@ -181,58 +190,86 @@ def _verify(params: dict[str, Any]) -> None:
     for token_id in params.get("logit_bias") or {}:
         if not str(token_id).lstrip("-").isdigit() or not 0 <= int(token_id) < model.VOCAB_SIZE:
             raise RequestError(f"logit_bias must has keys in [0, {model.VOCAB_SIZE - 1}], got {token_id}.")
-    if sum(params.get(k) is not None for k in ("json_schema", "regex", "ebnf")) > 1:
-        raise RequestError("Only one of regex, json_schema, or ebnf can be set.")
+    seed = params.get("sampling_seed")
+    if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
+        raise RequestError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
+    if sum(params.get(k) is not None for k in ("json_schema", "regex", "ebnf", "structural_tag")) > 1:
+        raise RequestError("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
     if params.get("n") not in (None, 1):
         raise RequestError("The simulator does not support n > 1; send n separate requests.")
 
 
-def _sampling_params(body: dict[str, Any]) -> dict[str, Any]:
+def _sampling_params(body: dict[str, Any], quirks: Quirks) -> dict[str, Any]:
     params = body.get("sampling_params")
     if params is None:
         return {}
     if isinstance(params, list):
         raise RequestError("The simulator does not support batch requests (sampling_params is a list).")
     if not isinstance(params, dict):
-        raise RequestError("sampling_params: Input should be a valid dictionary", validation=True)
-    unknown = sorted(set(params) - SAMPLING_KEYS)
-    if unknown:
-        # SGLang's SamplingParams(**params) raises TypeError with this text. The real server lets that
-        # TypeError escape as a bare HTTP 500; the simulator answers 400, the honest status for it.
-        raise RequestError(f"Unexpected keyword argument '{unknown[0]}'")
+        raise RequestError("sampling_params: Input should be a valid dictionary", kind="validation")
+    known = SAMPLING_KEYS if quirks.seed_field else tuple(k for k in SAMPLING_KEYS if k != "sampling_seed")
+    unknown = [k for k in params if k not in known]
+    if unknown and quirks.schema_gate:
+        expected = ", ".join(f"`{k}`" for k in known)
+        raise RequestError(f"unknown field `{unknown[0]}`, expected one of {expected}", kind="schema")
+    if unknown:  # SamplingParams(**params) -> TypeError, which no handler catches
+        raise RequestError("Internal Server Error", kind="internal")
     _check_types(params)
     _verify(params)
     return dict(params)
 
 
-def _resolve_max_new_tokens(params: dict[str, Any], prompt_tokens: int, context_length: int) -> None:
-    """SGLang's context checks; an absent max_new_tokens is the default 128 clamped to the context."""
-    if prompt_tokens >= context_length:
+def _fit_context(
+    params: dict[str, Any], prompt_tokens: int, context: int, max_input_len: int, quirks: Quirks
+) -> int | None:
+    """SGLang's context rules in order; returns the max_new_tokens asked for (None: absent).
+
+    tokenizer_manager.py: a prompt >= the context is refused, and prompt + max_new_tokens past it
+    (only when max_new_tokens is given). scheduler.py: a prompt >= max_req_input_len is refused
+    (utils.validate_input_length), then max_new_tokens is lowered silently to what the context
+    leaves (init_req_max_new_tokens); finish_reason.length reports the lowered value.
+    """
+    if prompt_tokens >= context:
         raise RequestError(
             f"The input ({prompt_tokens} tokens) is longer than the model's context length "
-            f"({context_length} tokens)."
+            f"({context} tokens)."
         )
     requested = params.get("max_new_tokens")
-    if requested is None:
-        default = model.DEFAULT_MAX_NEW_TOKENS if "max_new_tokens" not in params else context_length
-        params["max_new_tokens"] = max(0, min(default, context_length - 1 - prompt_tokens))
-        return
-    total = prompt_tokens + requested
-    if total >= context_length:
+    if requested is not None:
+        total = prompt_tokens + requested
+        if total > context or (total == context and not quirks.total_check_strict):
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+                f"You requested a total of {total} tokens: {prompt_tokens} tokens from the input messages "
+                f"and {requested} tokens for the completion. Please reduce the number of tokens in the "
+                "input messages or the completion to fit within the limit."
+            )
+    if prompt_tokens >= max_input_len:
         raise RequestError(
-            f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
-            f"You requested a total of {total} tokens: {prompt_tokens} tokens from the input messages and "
-            f"{requested} tokens for the completion. Please reduce the number of tokens in the input "
-            f"messages or the completion to fit within the limit."
+            f"Input length ({prompt_tokens} tokens) exceeds the maximum allowed length ({max_input_len} "
+            "tokens). Use a shorter input or enable --allow-auto-truncate."
         )
+    return requested
 
 
-def parse_generate(body: dict[str, Any], *, context_length: int) -> GenerateRequest:
+def parse_generate(
+    body: dict[str, Any],
+    *,
+    context: int,
+    max_input_len: int,
+    quirks: Quirks,
+    max_new_tokens_limit: int | None = None,
+) -> GenerateRequest:
     """Validate a decoded /generate body; raises RequestError with SGLang's message."""
     rid = check_rid(body)
     if body.get("stream"):
         raise RequestError("The simulator does not support stream=true; use non-streamed /generate.")
     input_ids = _prompt_ids(body)
-    params = _sampling_params(body)
-    _resolve_max_new_tokens(params, len(input_ids), context_length)
-    return GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params)
+    params = _sampling_params(body, quirks)
+    absent = "max_new_tokens" not in params
+    requested = _fit_context(params, len(input_ids), context, max_input_len, quirks)
+    wanted = model.DEFAULT_MAX_NEW_TOKENS if absent else (NO_LIMIT if requested is None else requested)
+    if max_new_tokens_limit is not None:
+        wanted = min(wanted, max_new_tokens_limit)
+    params["max_new_tokens"] = max(0, min(wanted, context - 2 - len(input_ids)))
+    return GenerateRequest(rid, input_ids, params, requested)

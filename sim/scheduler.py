@@ -29,7 +29,9 @@ class Sequence:
     future: asyncio.Future[int]
     done: int = 0
     ready_at: float = 0.0
+    running_since: float | None = None
     abort_message: str | None = None
+    abort_status: int | None = None  # an abort the client sees as an HTTP error (503 timeouts)
 
     @property
     def finished(self) -> bool:
@@ -46,6 +48,7 @@ class LatencyParams:
     tokens_per_tick: int = 8
     max_running: int = 256
     max_queued: int | None = None
+    running_timeout_s: float | None = None  # SGLANG_REQ_RUNNING_TIMEOUT
 
 
 @dataclass(eq=False)
@@ -76,11 +79,24 @@ class BatchScheduler:
         self._wake.set()
         return seq
 
-    def abort(self, seq: Sequence, message: str) -> None:
+    async def progress(self) -> None:
+        """Return once the model has done work (health_generate: any output counts; when idle,
+        its own 1-token generation makes that happen)."""
+        try:
+            seq = self.submit(1, 1)
+        except QueueFull:
+            return  # refusing it was output too
+        try:
+            await seq.future
+        finally:
+            self.abort(seq, "health check done")
+
+    def abort(self, seq: Sequence, message: str, status: int | None = None) -> None:
         """Stop a sequence where it is; its future resolves with the steps done so far."""
         if seq.finished:
             return
         seq.abort_message = message
+        seq.abort_status = status
         with contextlib.suppress(ValueError):
             self._waiting.remove(seq)
         with contextlib.suppress(ValueError):
@@ -104,6 +120,7 @@ class BatchScheduler:
     def _admit(self, now: float) -> None:
         while self._waiting and len(self._active) < self.params.max_running:
             seq = self._waiting.popleft()
+            seq.running_since = now
             seq.ready_at = now + seq.prompt_tokens * self.params.prefill_per_token_s
             self._active.append(seq)
 
@@ -139,3 +156,13 @@ class BatchScheduler:
             for seq in decoding:
                 if not seq.finished:
                     seq.done += steps
+            self._time_out(time.monotonic())
+
+    def _time_out(self, now: float) -> None:
+        """scheduler.py _poll_timeout_aborts: a request running past the limit gets a 503."""
+        limit = self.params.running_timeout_s
+        if limit is None:
+            return
+        for seq in [s for s in self._active if s.running_since is not None and now - s.running_since > limit]:
+            if seq.done < seq.steps:
+                self.abort(seq, "Request running timeout reached.", 503)

@@ -6,6 +6,7 @@ fault rates and flip health while the server runs.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -13,7 +14,7 @@ from aiohttp import web
 
 from sim import model
 from sim.config import SimConfig
-from sim.errors import json_response, validation_error
+from sim.errors import json_response, unauthorized, validation_error
 from sim.faults import FaultRates
 from sim.generate import handle_generate
 from sim.state import SIM_STATE, SimState
@@ -32,29 +33,45 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
 
 
 async def abort_request(request: web.Request) -> web.Response:
-    """Abort the in-flight request with this rid (or all); always 200, as in SGLang."""
+    """Always 200 with an empty body, as in SGLang.
+
+    tokenizer_manager.py drops a rid that is not an exact live one; scheduler.py then aborts every
+    request whose rid *starts with* it (so no live rid should be a prefix of another).
+    """
     state = request.app[SIM_STATE]
     body = await _json_body(request)
     rid = body.get("rid")
     if body.get("abort_all"):
         targets = list(state.in_flight.values())
+    elif isinstance(rid, str) and rid in state.in_flight:
+        targets = [f for r, f in state.in_flight.items() if r.startswith(rid)]
     else:
-        flight = state.in_flight.get(rid) if isinstance(rid, str) and rid else None
-        targets = [flight] if flight is not None else []
+        targets = []
     for flight in targets:
-        state.abort(flight, "Abort requested (abort_request).")
+        state.abort(flight, "Aborted")
     return web.Response(status=200)
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 with an empty body while healthy, 503 otherwise (SGLang: starting, draining, failed probe)."""
-    return web.Response(status=200 if request.app[SIM_STATE].healthy else 503)
+    """http_server.py health_generate (both /health and /health_generate, 0.5.1 on): 503 while
+    starting or shutting down; else a 1-token generation, 200 once the scheduler makes progress,
+    503 after SGLANG_HEALTH_CHECK_TIMEOUT. The body is empty."""
+    state = request.app[SIM_STATE]
+    if not state.started.is_set() or state.shutting_down or not state.healthy:
+        return web.Response(status=503)
+    if state.scheduler is not None:
+        try:
+            await asyncio.wait_for(state.scheduler.progress(), state.config.health_timeout_s)
+        except TimeoutError:
+            return web.Response(status=503)
+    return web.Response(status=200)
 
 
 async def model_info(request: web.Request) -> web.Response:
     return json_response(
         {
             "model_path": model.MODEL_PATH,
+            "served_model_name": model.MODEL_PATH,
             "tokenizer_path": model.MODEL_PATH,
             "is_generation": True,
             "preferred_sampling_params": None,
@@ -64,7 +81,8 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    """The fields of SGLang's /server_info that clients read, plus the simulator's own settings."""
+    """What SGLang's /server_info holds that clients read (the resolved server args plus scheduler
+    info), and the simulator's own settings under "sim". No vocabulary size: SGLang gives none."""
     state = request.app[SIM_STATE]
     config = state.config
     scheduler = state.scheduler
@@ -73,20 +91,19 @@ async def server_info(request: web.Request) -> web.Response:
             "model_path": model.MODEL_PATH,
             "tokenizer_path": model.MODEL_PATH,
             "served_model_name": model.MODEL_PATH,
-            "context_length": config.context_length,
-            "max_req_input_len": config.context_length - 1,
-            "max_total_num_tokens": config.context_length * config.max_running_requests,
+            "context_length": config.context_length,  # null unless --context-length was given
+            "max_req_input_len": config.max_req_input_len,
+            "max_total_num_tokens": config.context * config.max_running_requests,
             "max_running_requests": config.max_running_requests,
             "max_queued_requests": config.max_queued_requests,
-            "vocab_size": model.VOCAB_SIZE,
-            "eos_token_ids": [model.EOS_TOKEN_ID],
+            "enable_deterministic_inference": config.deterministic,
             "internal_states": [
                 {
                     "#running_req": scheduler.running if scheduler else 0,
                     "#queue_req": scheduler.queued if scheduler else 0,
                 }
             ],
-            "version": "sim",
+            "version": config.version,
             "sim": {
                 "latency": config.latency,
                 "faults": state.faults.rates.as_dict(),
@@ -131,10 +148,41 @@ async def sim_health(request: web.Request) -> web.Response:
     return json_response({"healthy": healthy})
 
 
+async def sim_rids(request: web.Request) -> web.Response:
+    """Every rid received so far, in order (tests check that none repeats or prefixes another)."""
+    return json_response(request.app[SIM_STATE].rids)
+
+
+async def sim_api_key(request: web.Request) -> web.Response:
+    """POST {"api_key": str | null}: rotate the key while the server runs."""
+    state = request.app[SIM_STATE]
+    key = (await _json_body(request)).get("api_key")
+    if key is not None and not isinstance(key, str):
+        return validation_error("api_key must be a string or null")
+    state.api_key = key
+    return json_response({"api_key_set": key is not None})
+
+
+# utils/auth.py: these stay open whatever the key (and /sim/* are the simulator's own controls).
+_OPEN_PREFIXES = ("/health", "/ready", "/metrics", "/sim/")
+
+
+@web.middleware
+async def _api_key(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    state = request.app[SIM_STATE]
+    open_path = request.path.startswith(_OPEN_PREFIXES)
+    if state.api_key and not open_path and request.headers.get("Authorization") != f"Bearer {state.api_key}":
+        state.stats.unauthorized += 1
+        return unauthorized()
+    return await handler(request)
+
+
 async def _on_startup(app: web.Application) -> None:
-    scheduler = app[SIM_STATE].scheduler
-    if scheduler is not None:
-        scheduler.start()
+    state = app[SIM_STATE]
+    if state.scheduler is not None:
+        state.scheduler.start()
+    loop = asyncio.get_running_loop()
+    loop.call_later(state.config.startup_s, state.started.set)
 
 
 async def _on_shutdown(app: web.Application) -> None:
@@ -143,22 +191,28 @@ async def _on_shutdown(app: web.Application) -> None:
 
 def make_app(config: SimConfig | None = None) -> web.Application:
     """Build the simulator application; run it with AppRunner/TCPSite (see sim.cli)."""
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app[SIM_STATE] = SimState(config or SimConfig())
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_api_key])
+    state = SimState(config or SimConfig())
+    app[SIM_STATE] = state
+    quirks = state.quirks
     router = app.router
     router.add_route("POST", "/generate", handle_generate)
     router.add_route("PUT", "/generate", handle_generate)
-    router.add_post("/abort_request", abort_request)
+    if quirks.abort_route:
+        router.add_post("/abort_request", abort_request)
     for path in ("/health", "/health_generate"):
         router.add_get(path, health)
-    for path in ("/model_info", "/get_model_info"):
-        router.add_get(path, model_info)
-    for path in ("/server_info", "/get_server_info"):
-        router.add_get(path, server_info)
+    router.add_get("/get_model_info", model_info)
+    router.add_get("/get_server_info", server_info)
+    if quirks.new_info_routes:
+        router.add_get("/model_info", model_info)
+        router.add_get("/server_info", server_info)
     router.add_get("/sim/stats", sim_stats)
     router.add_route("GET", "/sim/faults", sim_faults)
     router.add_route("POST", "/sim/faults", sim_faults)
     router.add_post("/sim/health", sim_health)
+    router.add_get("/sim/rids", sim_rids)
+    router.add_post("/sim/api-key", sim_api_key)
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
     return app

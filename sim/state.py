@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from aiohttp import web
 
@@ -12,6 +15,9 @@ from sim.config import SimConfig
 from sim.faults import FaultInjector
 from sim.scheduler import BatchScheduler, Sequence
 from sim.stats import SimStats
+from sim.versions import Quirks
+
+CRASH_EXIT = 134  # as a process killed by an abort()/device assert
 
 
 @dataclass(eq=False)
@@ -30,12 +36,26 @@ class SimState:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
+        self.quirks = Quirks(config.version)
+        self.api_key = config.api_key
+        self.started = asyncio.Event()  # set once --startup-s has passed
+        self.shutting_down = False
+        self.rids: list[str] = []  # every rid received, in order: tests check none repeats or prefixes
         self.stats = SimStats()
         self.faults = FaultInjector(config.faults, config.seed)
         self.cache = PromptCache(config.prefix_cache_entries)
         self.scheduler = BatchScheduler(config.latency_params()) if config.latency == "realistic" else None
         self.healthy = config.healthy
         self.in_flight: dict[str, Flight] = {}
+
+    def note_rid(self, rid: str) -> None:
+        self.rids.append(rid)
+
+    def crash(self, why: str) -> NoReturn:
+        """Die as a GPU fault kills SGLang: at once, every connection dropped, no answer."""
+        sys.stderr.write(f"sim-server: crashing: {why}\n")
+        sys.stderr.flush()
+        os._exit(CRASH_EXIT)
 
     def abort(self, flight: Flight, message: str) -> None:
         """End a request early; it answers HTTP 200 with finish_reason abort, as SGLang does."""
@@ -46,6 +66,7 @@ class SimState:
 
     async def shutdown(self) -> None:
         """Let hanging requests drop their connections and abort decoding ones."""
+        self.shutting_down = True
         for flight in list(self.in_flight.values()):
             flight.closing = True
             flight.wake.set()

@@ -21,6 +21,8 @@ class SimStats:
     rejected: int = 0  # 400 answers (validation, context, duplicate rid)
     unhealthy: int = 0  # 503 answers because the server was set unhealthy
     queue_full: int = 0  # 503 "The request queue is full." from --max-queued-requests
+    timed_out: int = 0  # 503 "Request running timeout reached." (--req-running-timeout)
+    unauthorized: int = 0  # 401 for a missing or wrong API key
     disconnected: int = 0  # clients that left before their answer was ready
     in_flight: int = 0
     max_in_flight: int = 0

@@ -36,7 +36,7 @@ from genq import status
 from genq.cli import main
 from genq.embedded import free_port
 from genq.keys import Keys
-from genq.settings import REDIS_ENV
+from genq.settings import REDIS_ENV, SERVER_ENV
 from tests.helpers import assert_adds_up, check_records, log_of, status_json, wait_until, write_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,8 +147,8 @@ def unit_dir(tmp_path: Path) -> Path:
     for _, example, env_file in UNITS.values():
         target = Path(f"{root}{specifiers(env_file, INSTANCE, Path('/'))}")
         shutil.copy(SYSTEMD / example, target)
-    (root / "etc/genq/redis-password").write_text("")
-    (root / "etc/genq/dashboard-password").write_text("")
+    for secret in ("redis-password", "dashboard-password", "server-api-key"):
+        (root / "etc/genq" / secret).write_text("")
     # The CPU/NUMA pinning example, as the drop-in it is meant to become.
     dropin = units / f"genq-worker@{INSTANCE}.service.d"
     dropin.mkdir()
@@ -243,7 +243,7 @@ def test_env_examples_carry_every_setting(unit, monkeypatch):
     documented = parse_env_file(SYSTEMD / example, commented=True)
     options = option_envvars(cmd)
     read = env_read_in_source(cmd)
-    known = set(options) | set(REDIS_ENV) | read
+    known = set(options) | set(REDIS_ENV) | read | (set(SERVER_ENV) if command == "worker" else set())
     assert not (missing := sorted(known - set(documented))), f"{example} lacks {missing}"
     assert not (unknown := sorted(k for k in documented if k.startswith("GENQ_") and k not in known)), (
         f"{example} sets variables `genq {command}` does not read: {unknown}"
@@ -269,7 +269,8 @@ def test_worker_unit_execstart_drains_on_sigterm(procs, start_sim, tmp_path, out
     argv[0] = str(VENV_GENQ)
     creds = tmp_path / "credentials"
     creds.mkdir()
-    (creds / "redis-password").write_text("")  # the test Redis has no password: empty means none
+    for secret in ("redis-password", "server-api-key"):  # the test Redis and server want none
+        (creds / secret).write_text("")
     env = {
         "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin",
         "LANG": "C.UTF-8",

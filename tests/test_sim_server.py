@@ -213,22 +213,24 @@ def test_default_max_new_tokens_is_128(base_url: str) -> None:
     assert reply.json["meta_info"]["finish_reason"] == {"type": "length", "length": 128}
 
 
-def test_unknown_sampling_key_is_400(base_url: str) -> None:
+def test_unknown_sampling_key_is_refused_as_the_release_does(base_url: str, start_sim: Any) -> None:
     reply = generate(base_url, {"text": "hi", "sampling_params": {"max_tokens": 10}})
-    assert reply.status == 400
-    assert "max_tokens" in reply.json["error"]["message"]
+    assert reply.status == 400  # 0.5.22+: the schema gate's plain string
+    assert reply.json["error"].startswith("unknown field `max_tokens`, expected one of `max_new_tokens`")
+    old = start_sim("--sglang-version", "0.5.20")
+    reply = generate(old, {"text": "hi", "sampling_params": {"max_tokens": 10}})
+    assert (reply.status, reply.raw) == (500, b"Internal Server Error")  # an uncaught TypeError
 
 
 @pytest.mark.parametrize(
     "body",
     [
         {"sampling_params": {}},
-        {"text": "hi", "input_ids": [100, 101]},
-        {"input_ids": [100, model.VOCAB_SIZE]},
-        {"input_ids": [-1, 100]},
         {"text": "hi", "sampling_params": {"top_p": 0.0}},
+        {"text": "hi", "sampling_params": {"top_k": 0}},
+        {"text": "hi", "sampling_params": {"sampling_seed": 2**63}},
     ],
-    ids=["no-prompt", "both-prompts", "id-too-big", "id-negative", "bad-top-p"],
+    ids=["no-prompt", "bad-top-p", "bad-top-k", "seed-past-int64"],
 )
 def test_invalid_requests_are_400(base_url: str, body: dict[str, Any]) -> None:
     reply = generate(base_url, body)
@@ -236,17 +238,70 @@ def test_invalid_requests_are_400(base_url: str, body: dict[str, Any]) -> None:
     assert reply.json["error"]["message"]
 
 
+def test_input_ids_win_over_text(base_url: str) -> None:
+    """io_struct.py accepts both; the tokenizer manager uses input_ids."""
+    reply = generate(base_url, {"text": "hi there", "input_ids": [100, 101], "sampling_params": {}})
+    assert reply.status == 200
+    assert reply.json["meta_info"]["prompt_tokens"] == 2
+
+
+@pytest.mark.parametrize("bad_id", [model.VOCAB_SIZE, -1])
+def test_ids_outside_the_vocabulary_crash_the_server(bad_id: int) -> None:
+    """SGLang never checks them: they reach the embedding, and the GPU faults. The server dies with
+    every connection; it does not answer 400."""
+    with tempfile.TemporaryFile() as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sim", "--port", "0"],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        url = _read_url(proc, stderr)
+        with pytest.raises(aiohttp.ClientError):
+            generate(url, {"input_ids": [100, bad_id]})
+        assert proc.wait(STOP_TIMEOUT_S) == 134
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
 def test_context_overflow_is_400_with_sglang_message(base_url: str) -> None:
     ids = [500] * 100
-    reply = generate(base_url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 8092}})
+    reply = generate(base_url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 8093}})
     assert reply.status == 400
     assert reply.json["error"]["message"] == (
         "Requested token count exceeds the model's maximum context length of 8192 tokens. "
-        "You requested a total of 8192 tokens: 100 tokens from the input messages and 8092 tokens "
+        "You requested a total of 8193 tokens: 100 tokens from the input messages and 8093 tokens "
         "for the completion. Please reduce the number of tokens in the input messages or the "
         "completion to fit within the limit."
     )
-    assert generate(base_url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 8091}}).status == 200
+    # Exactly the context passes the check (0.5.15+: ">") and is lowered silently by the scheduler.
+    reply = generate(
+        base_url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 8092, "ignore_eos": True}}
+    )
+    assert reply.status == 200
+    assert reply.json["meta_info"]["finish_reason"] == {"type": "length", "length": 8192 - 2 - 100}
+
+
+def test_prompt_at_max_req_input_len_is_refused_by_the_scheduler(start_sim: Any) -> None:
+    url = start_sim("--context-length", "512")
+    ok = generate(url, {"input_ids": [500] * 505, "sampling_params": {"max_new_tokens": 1}})
+    assert ok.status == 200
+    reply = generate(url, {"input_ids": [500] * 506, "sampling_params": {"max_new_tokens": 1}})
+    assert reply.status == 400
+    assert reply.json["error"]["message"] == (
+        "Input length (506 tokens) exceeds the maximum allowed length (506 tokens). "
+        "Use a shorter input or enable --allow-auto-truncate."
+    )
+
+
+def test_max_new_tokens_limit_lowers_silently_and_length_says_so(start_sim: Any) -> None:
+    url = start_sim("--max-new-tokens-limit", "50")
+    reply = generate(
+        url, {"input_ids": [500] * 10, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+    )
+    assert reply.json["meta_info"]["finish_reason"] == {"type": "length", "length": 50}
+    assert len(reply.json["output_ids"]) == 50
 
 
 def test_health_and_info_endpoints(base_url: str) -> None:
@@ -260,11 +315,69 @@ def test_health_and_info_endpoints(base_url: str) -> None:
         assert "tokenizer_path" in info
     for path in ("/server_info", "/get_server_info"):
         info = call("GET", base_url + path).json
-        assert info["context_length"] == model.DEFAULT_CONTEXT_LENGTH
-        assert info["max_req_input_len"] == model.DEFAULT_CONTEXT_LENGTH - 1
+        assert info["context_length"] is None, "null unless --context-length was given"
+        assert info["max_req_input_len"] == model.DEFAULT_CONTEXT_LENGTH - 6
         assert info["model_path"] == model.MODEL_PATH
         assert info["max_running_requests"] > 0
-        assert info["version"] == "sim"
+        assert info["version"] == "0.5.23"
+        assert info["enable_deterministic_inference"] is True
+        assert "vocab_size" not in info, "SGLang tells no vocabulary size"
+
+
+def test_context_length_flag_is_shown_and_enforced(start_sim: Any) -> None:
+    url = start_sim("--context-length", "1024")
+    info = call("GET", url + "/server_info").json
+    assert (info["context_length"], info["max_req_input_len"]) == (1024, 1018)
+
+
+@pytest.mark.parametrize(
+    ("version", "routes"),
+    [
+        ("0.4.6", {"/get_server_info"}),
+        ("0.5.5", {"/get_server_info"}),
+        ("0.5.15", {"/server_info", "/get_server_info"}),
+    ],
+)
+def test_info_routes_by_release(start_sim: Any, version: str, routes: set[str]) -> None:
+    url = start_sim("--sglang-version", version)
+    present = {p for p in ("/server_info", "/get_server_info") if call("GET", url + p).status == 200}
+    assert present == routes
+
+
+def test_old_releases_answer_as_they_did(start_sim: Any) -> None:
+    ids = [500] * 10
+    url = start_sim("--sglang-version", "0.4.6")
+    assert "output_ids" not in generate(url, {"input_ids": ids}).json
+    url = start_sim("--sglang-version", "0.5.1")
+    reply = generate(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+    assert reply.json["output_ids"][:5] == ids[-5:], "0.5.1 leads output_ids with prompt tokens"
+    assert len(reply.json["output_ids"]) == 8 and reply.json["meta_info"]["completion_tokens"] == 3
+    seeded = generate(url, {"input_ids": ids, "sampling_params": {"sampling_seed": 1}})
+    assert seeded.status == 500, "sampling_seed is an unexpected keyword before 0.5.5"
+
+
+def test_api_key_guards_everything_but_health(start_sim: Any) -> None:
+    url = start_sim("--api-key", "k1")
+    assert call("GET", url + "/health").status == 200
+    for method, path in (("POST", "/generate"), ("GET", "/server_info"), ("GET", "/model_info")):
+        reply = call(method, url + path, {"input_ids": [100]} if method == "POST" else None)
+        assert (reply.status, reply.json) == (401, {"error": "Unauthorized"})
+
+    async def with_key() -> int:
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer k1"}) as session:
+            return (await _request(session, "POST", url + "/generate", {"input_ids": [100]})).status
+
+    assert asyncio.run(with_key()) == 200
+
+
+def test_seeds_are_ignored_without_deterministic_inference(start_sim: Any) -> None:
+    url = start_sim("--no-deterministic-inference")
+    assert call("GET", url + "/server_info").json["enable_deterministic_inference"] is False
+    plain = generate(url, {"input_ids": [500] * 10}).json["output_ids"]
+    seeded = generate(url, {"input_ids": [500] * 10, "sampling_params": {"sampling_seed": 7}}).json[
+        "output_ids"
+    ]
+    assert plain == seeded
 
 
 # --- health and fault switches ---
@@ -376,6 +489,69 @@ def test_hang_fault_duplicate_rid_and_abort_request(start_sim: Any) -> None:
     assert hung.json["meta_info"]["finish_reason"]["type"] == "abort"
     assert hung.json["output_ids"] == []
     assert call("POST", f"{url}/abort_request", {"rid": "nobody", "abort_all": False}).status == 200
+
+
+def test_abort_is_by_prefix_of_an_exact_live_rid(start_sim: Any) -> None:
+    """tokenizer_manager.py ignores a rid that is not live; scheduler.py then aborts every rid that
+    starts with the one given: aborting "job-1" takes "job-10" with it."""
+    url = start_sim("--fail-hang", "1.0")
+
+    async def scenario() -> dict[str, str]:
+        async with aiohttp.ClientSession() as session:
+            rids = ("job-1", "job-10", "job-2")
+            tasks = {
+                r: asyncio.create_task(_request(session, "POST", f"{url}/generate", {"text": "x", "rid": r}))
+                for r in rids
+            }
+            for _ in range(250):
+                if (await _request(session, "GET", f"{url}/sim/stats")).json["in_flight"] == 3:
+                    break
+                await asyncio.sleep(0.02)
+            await _request(session, "POST", f"{url}/abort_request", {"rid": "job"})  # not live: ignored
+            await _request(session, "POST", f"{url}/abort_request", {"rid": "job-1"})
+            done, pending = await asyncio.wait(tasks.values(), timeout=REQUEST_TIMEOUT_S / 2)
+            for task in pending:
+                task.cancel()
+            return {r: ("aborted" if t in done else "running") for r, t in tasks.items()}
+
+    assert asyncio.run(scenario()) == {"job-1": "aborted", "job-10": "aborted", "job-2": "running"}
+    assert call("GET", f"{url}/sim/rids").json == ["job-1", "job-10", "job-2"]
+
+
+def test_running_timeout_is_a_503(start_sim: Any) -> None:
+    url = start_sim("--latency", "realistic", "--decode-step-ms", "20", "--req-running-timeout", "0.3")
+    reply = generate(
+        url, {"input_ids": [500] * 10, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    )
+    assert reply.status == 503
+    assert reply.json == {
+        "object": "error",
+        "message": "Request running timeout reached.",
+        "type": "503",
+        "param": None,
+        "code": 503,
+    }
+    short = generate(
+        url, {"input_ids": [500] * 10, "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+    )
+    assert short.status == 200
+
+
+def test_nan_fault_looks_finished_but_is_not(start_sim: Any) -> None:
+    url = start_sim("--fail-nan", "1.0")
+    reply = generate(url, {"input_ids": [500] * 10})
+    assert reply.status == 200
+    assert reply.json["meta_info"]["finish_reason"] == {"type": "stop", "matched": "NaN happened"}
+    assert reply.json["output_ids"][-1] == model.EOS_TOKEN_ID
+
+
+def test_starting_server_answers_health_503_and_holds_generations(start_sim: Any) -> None:
+    url = start_sim("--startup-s", "1.5")
+    assert call("GET", url + "/health").status == 503
+    started = time.monotonic()
+    assert generate(url, {"input_ids": [500] * 10}).status == 200
+    assert time.monotonic() - started > 0.5
+    assert call("GET", url + "/health").status == 200
 
 
 # --- realistic latency ---

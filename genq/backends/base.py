@@ -26,6 +26,9 @@ from genq.settings import server_api_key
 # the server drops it.
 KEEPALIVE_S = 4.0
 PROBE_TIMEOUT_S = 60.0
+# SGLang's /health runs a 1-token generation and gives up after 20 s (SGLANG_HEALTH_CHECK_TIMEOUT):
+# a busy server may take that long to say it is fine.
+HEALTH_TIMEOUT_S = 30.0
 
 
 class Cost(Enum):
@@ -205,7 +208,7 @@ class Backend(ABC):
 
     async def healthy(self) -> bool:
         try:
-            status, _, _ = await self.http.call("GET", self.health_path, timeout=10)
+            status, _, _ = await self.http.call("GET", self.health_path, timeout=HEALTH_TIMEOUT_S)
         except AttemptError:
             return False
         return status == 200
