@@ -29,6 +29,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from genq.schema import cut_short
 from genq.settings import option
 
 MAX_EXAMPLES = 5
@@ -42,6 +43,7 @@ class Rec:
     completion_tokens: int
     finish_reason: str | None = None
     latency_s: float | None = None
+    cut: bool = False  # stopped below the max_new_tokens asked for (genq's finish_length)
 
 
 class Unreadable(Exception):
@@ -87,6 +89,7 @@ def read_genq(obj: dict) -> Rec | None:
         _count(obj.get("completion_tokens"), "genq", "completion_tokens"),
         _finish(obj.get("finish_reason")),
         _latency(obj.get("latency_s")),
+        cut_short(obj),
     )
 
 
@@ -156,6 +159,7 @@ class DatasetStats:
     lengths: list[int] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
     finish_reasons: Counter = field(default_factory=Counter)
+    cut: int = 0
     shapes: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
     unrecognized: int = 0
@@ -189,6 +193,7 @@ class DatasetStats:
         self.completion_tokens += rec.completion_tokens
         self.lengths.append(rec.completion_tokens)
         self.finish_reasons[rec.finish_reason or "unknown"] += 1
+        self.cut += rec.cut
         if rec.latency_s is not None:
             self.latencies.append(rec.latency_s)
 
@@ -207,6 +212,7 @@ class DatasetStats:
             else None,
             "completion_tokens_percentiles": percentiles(self.lengths),
             "finish_reasons": dict(self.finish_reasons.most_common()),
+            "cut": self.cut,
             "latency_s": percentiles(self.latencies),
             "shapes": dict(self.shapes.most_common()),
             "errors": dict(self.errors.most_common()),
@@ -306,6 +312,7 @@ def _table(datasets: dict[str, dict[str, Any]]) -> Table:
         "p90",
         "p99",
         "length",
+        "cut",
         "unrecog.",
     ):
         table.add_column(col, justify="left" if col == "dataset" else "right", no_wrap=True)
@@ -319,6 +326,7 @@ def _table(datasets: dict[str, dict[str, Any]]) -> Table:
             f"{d['avg_completion_tokens']:,.0f}" if d["avg_completion_tokens"] is not None else "-",
             *(f"{pct[p]:,.0f}" if pct else "-" for p in ("p50", "p90", "p99")),
             f"{d['finish_reasons'].get('length', 0):,}",
+            f"{d['cut']:,}",
             f"{d['unrecognized']['lines']:,}",
         )
     return table

@@ -54,6 +54,8 @@ def status_command(as_json: bool, redis_url: str, namespace: str) -> None:
         monitor_view.lag_line(data),
     ):
         console.print(part)
+    for warning in data["warnings"]:
+        console.print(f"[yellow]{warning}[/yellow]")
     odd = {n: c["unaccounted"] for n, c in data["datasets"].items() if c["unaccounted"]}
     if odd:
         console.print(f"[yellow]not adding up (jobs moving between states, or lost): {odd}[/yellow]")

@@ -17,6 +17,7 @@ LOCAL = ("127.0.0.1", "localhost", "::1")
 
 
 def dashboard_password() -> str | None:
+    """GENQ_DASHBOARD_PASSWORD_FILE, else GENQ_DASHBOARD_PASSWORD: never on the command line."""
     return secret("DASHBOARD_PASSWORD")
 
 

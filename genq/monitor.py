@@ -84,9 +84,9 @@ def counts_table(data: dict[str, Any]) -> Table:
 
 
 def tokens_table(data: dict[str, Any]) -> Table:
-    table = _table("tokens", "dataset", "prompt", "completion", "avg", "tok/s 5m", "tok/s all", "ETA")
+    table = _table("tokens", "dataset", "prompt", "completion", "avg", "cut", "tok/s 5m", "tok/s all", "ETA")
     table.columns[0].overflow = "ellipsis"
-    table.columns[0].max_width = 16
+    table.columns[0].max_width = 14
     for name, c in data["datasets"].items():
         avg = c["avg_completion_tokens"]
         table.add_row(
@@ -94,6 +94,7 @@ def tokens_table(data: dict[str, Any]) -> Table:
             count(c["prompt_tokens"]),
             count(c["completion_tokens"]),
             f"{avg:,.0f}" if avg is not None else UNKNOWN,
+            count(c["cut"]),
             rate(c["tokens_per_s"]),
             rate(c["tokens_per_s_since_start"]),
             duration(c["eta_s"]),

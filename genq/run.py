@@ -9,6 +9,7 @@ started go back to the front of their queues.
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
@@ -18,18 +19,50 @@ from pathlib import Path
 
 import click
 
-from genq import datasets
 from genq import status as status_mod
 from genq.embedded import EmbeddedRedis
 from genq.keys import Keys, validate_name
 from genq.orphans import requeue_orphans
 from genq.processes import genq_command, spawn, stop, wait_for_line
-from genq.sampling import Sampling, sampling_options
 from genq.settings import connect, option, redact, redis_options
+from producer.cli import enqueue_command  # `genq run` is the roles together, as the genq CLI is
 
 
 class Interrupted(Exception):
     pass
+
+
+# Every `genq enqueue` option that `genq run` does not set itself, copied without its callback:
+# run forwards what was typed to enqueue, which converts and checks it (one place does that).
+_RUN_OWN = {"files", "dataset", "server", "redis_url", "namespace", "register_only"}
+
+
+def _raw(param: click.Parameter) -> click.Parameter:
+    raw = copy.copy(param)
+    raw.callback = None
+    return raw
+
+
+ENQUEUE_PARAMS = [_raw(p) for p in enqueue_command.params if p.name not in _RUN_OWN]
+
+
+def enqueue_argv(ctx: click.Context) -> list[str]:
+    """The enqueue options given on run's command line, as enqueue flags (the ones from GENQ_*
+    variables reach the enqueue through the environment)."""
+    out: list[str] = []
+    for p in ENQUEUE_PARAMS:
+        if ctx.get_parameter_source(p.name) != click.core.ParameterSource.COMMANDLINE:
+            continue
+        value = ctx.params[p.name]
+        assert isinstance(p, click.Option)
+        if p.is_flag:
+            out.append(p.opts[-1] if value else p.secondary_opts[0])
+        elif p.multiple:
+            for v in value:
+                out += [max(p.opts, key=len), str(v)]
+        else:
+            out += [max(p.opts, key=len), str(value)]
+    return out
 
 
 @click.command("run")
@@ -50,7 +83,6 @@ class Interrupted(Exception):
 @option(
     "--dataset", default=None, help="One dataset name for all FILES (default: one dataset per file stem)."
 )
-@sampling_options
 @redis_options
 def run_command(
     files,
@@ -61,11 +93,14 @@ def run_command(
     workers,
     concurrency,
     dataset,
-    sampling: Sampling,
     redis_url,
     namespace,
+    **_enqueue_options,
 ):
-    """Run FILES end to end on this machine and exit when every result is on disk."""
+    """Run FILES end to end on this machine and exit when every result is on disk.
+
+    Takes every `genq enqueue` option too (sampling, --format, --tokenizer, ...), for the enqueue.
+    """
     if bool(server) == bool(simulate):
         raise click.UsageError("give exactly one of --server URL or --simulate")
     ctx = click.get_current_context()
@@ -107,6 +142,16 @@ def run_command(
             children.append(sim)
             server = wait_for_line(sim, "sim-server listening on ", 30).rsplit(" ", 1)[1]
         groups = [(dataset, list(files))] if dataset else [(f.stem, [f]) for f in files]
+        forwarded = enqueue_argv(ctx)
+
+        def enqueue(name: str, paths: list[Path], *extra: str) -> None:
+            argv = genq_command(
+                "enqueue", *map(str, paths), "--dataset", name, "--server", server, *forwarded, *extra
+            )
+            result = subprocess.run(argv, env={**os.environ, **env})
+            if result.returncode != 0:
+                raise click.ClickException(f"enqueue of {name} failed (exit {result.returncode})")
+
         for name, paths in groups:
             try:
                 validate_name(name)
@@ -114,24 +159,12 @@ def run_command(
                 raise click.ClickException(f"{exc} (use --dataset NAME)") from exc
             # Registered before the collector starts, so it marks what DIR already holds for
             # them (a resumed run on a fresh Redis) before the enqueue asks what is done.
-            try:
-                datasets.register(
-                    conn, keys, datasets.settings_for(name, paths, sampling.params(), sampling.samples)
-                )
-            except datasets.SettingsMismatch as exc:
-                raise click.ClickException(str(exc)) from exc
+            enqueue(name, paths, "--register-only")
         collector = _start(genq_command("collect", "--out", str(out)), logs / "collector.log", env)
         children.append(collector)
         _wait_ready(conn, keys, collector, 60)
         for name, paths in groups:
-            result = subprocess.run(
-                genq_command(
-                    "enqueue", *map(str, paths), "--dataset", name, "--server", server, *sampling.argv()
-                ),
-                env={**os.environ, **env},
-            )
-            if result.returncode != 0:
-                raise click.ClickException(f"enqueue of {name} failed (exit {result.returncode})")
+            enqueue(name, paths)
         worker_argv = genq_command("worker", "--server", server, "--concurrency", str(concurrency))
         pool = [_start(worker_argv, logs / f"worker-{i}.log", env) for i in range(workers)]
         children.extend(pool)
@@ -154,6 +187,9 @@ def run_command(
             stop(proc, 30)
         if redis_server is not None:
             redis_server.stop()
+
+
+run_command.params.extend(ENQUEUE_PARAMS)
 
 
 def _start(

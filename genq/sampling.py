@@ -14,6 +14,16 @@ from genq.settings import option
 DEFAULT_MAX_NEW_TOKENS = 2048
 
 
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def _top_k(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    """SGLang's SamplingParams.verify: -1 (off) or at least 1."""
+    if value is not None and value != -1 and value < 1:
+        raise click.BadParameter(f"must be -1 (off) or at least 1, got {value}")
+    return value
+
+
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
     if not value:
         return None
@@ -64,6 +74,8 @@ def sampling_options(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         values = {f.name: kwargs.pop(f.name) for f in fields(Sampling)}
+        if values["seed"] is not None and values["seed"] + values["samples"] - 1 > INT64[1]:
+            raise click.BadParameter("seed + samples - 1 must stay a 64-bit integer", param_hint="--seed")
         return func(*args, sampling=Sampling(**values), **kwargs)
 
     decorators = [
@@ -74,13 +86,23 @@ def sampling_options(func: Callable) -> Callable:
             help="Tokens to generate at most (explicit: SGLang's own silent default is 128).",
         ),
         option("--temperature", type=click.FloatRange(min=0), default=None, help="Sampling temperature."),
-        option("--top-p", type=click.FloatRange(0, 1), default=None, help="Nucleus sampling."),
-        option("--top-k", type=int, default=None, help="Top-k sampling (-1: off)."),
+        option(
+            "--top-p",
+            type=click.FloatRange(0, 1, min_open=True),
+            default=None,
+            help="Nucleus sampling, (0, 1].",
+        ),
+        option("--top-k", type=int, default=None, callback=_top_k, help="Top-k sampling (-1: off)."),
         option("--stop-token-ids", callback=_int_list, default=None, help="Comma-separated stop token ids."),
         option(
             "--samples", type=click.IntRange(min=1), default=1, help="Jobs per prompt, each its own seed."
         ),
-        option("--seed", type=int, default=None, help="sampling_seed of sample 0 (sample k gets seed + k)."),
+        option(
+            "--seed",
+            type=click.IntRange(*INT64),
+            default=None,
+            help="sampling_seed of sample 0 (sample k gets seed + k); a 64-bit integer.",
+        ),
     ]
     for decorator in reversed(decorators):
         wrapper = decorator(wrapper)

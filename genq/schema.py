@@ -109,6 +109,20 @@ class JobSpec:
         return len(self.input_ids) if self.input_ids is not None else None
 
 
+def cut_short(record: dict[str, Any]) -> bool:
+    """The server stopped it below the max_new_tokens asked for (SGLang lowers it silently to fit
+    the context or its KV budget; llama.cpp truncates at the slot's context): ``finish_length``
+    says where, and the output is not what the recipe asked for."""
+    asked = (record.get("sampling_params") or {}).get("max_new_tokens")
+    cut = record.get("finish_length")
+    return (
+        record.get("finish_reason") == "length"
+        and isinstance(cut, int)
+        and isinstance(asked, int)
+        and cut < asked
+    )
+
+
 def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 

@@ -112,6 +112,10 @@ def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
                 "done": num("successful_job_count") or 0,
                 "failed": num("failed_job_count") or 0,
                 "retries": num("genq_retries"),
+                "backend": h.get("genq_backend"),
+                "server_version": h.get("genq_version"),
+                "model": h.get("genq_model"),
+                "seeds": {"True": True, "False": False}.get(h.get("genq_seeds", "")),
                 "last_heartbeat": h.get("last_heartbeat"),
                 "heartbeat_age_s": round(max(0.0, now - beat), 1) if beat is not None else None,
             }
@@ -154,6 +158,7 @@ def _with_tokens(conn: redis.Redis, keys: Keys, counts: dict[str, dict[str, int]
             "prompt_tokens": t.prompt_tokens,
             "completion_tokens": t.completion_tokens,
             "avg_completion_tokens": _round(t.avg_completion_tokens),
+            "cut": t.cut,
             "tokens_per_s": _round(t.tokens_per_s),
             "tokens_per_s_since_start": _round(t.tokens_per_s_since_start),
             "eta_s": _round(t.eta_s(remaining)),
@@ -184,13 +189,28 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
     """Everything `genq status --json` prints. ``now`` (Redis time by default) is for tests."""
     now = now if now is not None else tokens.redis_now(conn)
     per_dataset = _with_tokens(conn, keys, dataset_counts(conn, keys), now)
+    alive = workers(conn, keys, now)
     return {
         "namespace": keys.namespace,
         "datasets": per_dataset,
         "totals": totals(per_dataset),
-        "workers": workers(conn, keys, now),
+        "workers": alive,
         "stream": stream_lag(conn, keys, now),
+        "warnings": warnings(datasets.load_all(conn, keys), alive),
     }
+
+
+def warnings(settings: dict[str, datasets.DatasetSettings], alive: list[dict[str, Any]]) -> list[str]:
+    """What the numbers alone do not show: samples that rely on seeds a server ignores."""
+    ignoring = sorted({w["server"] or "?" for w in alive if w["seeds"] is False})
+    out = []
+    for name, s in settings.items():
+        if ignoring and ("sampling_seed" in s.sampling_params or s.samples > 1):
+            out.append(
+                f"{name}: its samples rely on sampling_seed, which {', '.join(ignoring)} ignores "
+                "(SGLang without --enable-deterministic-inference): they are not reproducible"
+            )
+    return out
 
 
 def _round(value: float | None) -> float | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from genq.keys import Keys
+from genq.schema import cut_short
 
 BUCKET_S = 10
 KEEP_S = 3600
@@ -40,6 +41,9 @@ def add(pipe, keys: Keys, dataset: str, records: list[dict], now: float | None, 
     pipe.hincrby(key, "records", len(records))
     pipe.hincrby(key, "prompt_tokens", sum(r["prompt_tokens"] for r in records))
     pipe.hincrby(key, "completion_tokens", completion)
+    cut = sum(1 for r in records if cut_short(r))
+    if cut:
+        pipe.hincrby(key, "cut", cut)
     if live:
         pipe.hincrby(key, "live_tokens", completion)
     if now is not None:
@@ -65,6 +69,7 @@ class Tokens:
     completion_tokens: int | None
     tokens_per_s: float | None  # recent, over WINDOW_S
     tokens_per_s_since_start: float | None
+    cut: int | None = None  # records the server stopped below the max_new_tokens asked for
 
     @property
     def avg_completion_tokens(self) -> float | None:
@@ -110,6 +115,7 @@ def read(
         completion_tokens=int(fields.get("completion_tokens", 0)) if exact else None,
         tokens_per_s=recent,
         tokens_per_s_since_start=since_start,
+        cut=int(fields.get("cut", 0)) if exact else None,
     )
 
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import click
 
-from genq import datasets
+from genq import backends, datasets
 from genq.keys import Keys, validate_name
 from genq.sampling import Sampling, sampling_options
 from genq.settings import connect, option, redis_options
 from producer import sources, thinking
-from producer.context import context_length_of
+from producer.context import Limits
 from producer.enqueue import Options, Summary, enqueue_dataset
 from producer.formats import CHAT_FORMATS, FIELDS, FORMATS, Shape
 from producer.templates import ChatTemplate, TemplateError
@@ -88,12 +88,28 @@ def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) 
 @sampling_options
 @option("--replace-settings", is_flag=True, help="Allow other settings for an existing dataset.")
 @option(
+    "--register-only",
+    is_flag=True,
+    help="Record the dataset's settings (checking them against earlier enqueues) and enqueue nothing.",
+)
+@option(
     "--context-length",
     type=click.IntRange(min=2),
     default=None,
     help="Reject prompts that cannot fit with --max-new-tokens (default: ask --server, if given).",
 )
-@option("--server", default=None, help="SGLang server to ask for its context length (/server_info).")
+@option(
+    "--server",
+    default=None,
+    help="Inference server to ask for its context length and limits (SGLang: /server_info). Its API key "
+    "comes from GENQ_SERVER_API_KEY(_FILE).",
+)
+@option(
+    "--vocab-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Reject prompts with token ids outside [0, N) (default: the --tokenizer's size, or the server's).",
+)
 @option("--clip-max-new-tokens", is_flag=True, help="Lower max_new_tokens of a prompt that would not fit.")
 @option(
     "--max-queued",
@@ -124,8 +140,10 @@ def enqueue_command(
     keep_prompt,
     sampling: Sampling,
     replace_settings,
+    register_only,
     context_length,
     server,
+    vocab_size,
     clip_max_new_tokens,
     max_queued,
     reasoning_preset,
@@ -150,12 +168,19 @@ def enqueue_command(
                 raise click.UsageError(f"{flag} needs --tokenizer (it goes through the chat template)")
         if fmt in CHAT_FORMATS:
             raise click.UsageError(f"--format {fmt} needs --tokenizer: genq does not guess a chat template")
-    if context_length is None and server:
+    limits = Limits(context_length=context_length, vocab_size=vocab_size)
+    if server:
         try:
-            context_length = context_length_of(server)
-        except (OSError, ValueError) as exc:
-            raise click.ClickException(f"could not read the context length from {server}: {exc}") from exc
-    if clip_max_new_tokens and context_length is None:
+            info = backends.probe(server)
+        except (backends.ServerRefused, backends.AttemptError) as exc:
+            raise click.ClickException(f"could not read the limits of {server}: {exc}") from exc
+        found = Limits.of_server(info)
+        limits = Limits(
+            limits.context_length or found.context_length,
+            found.max_input_len,
+            limits.vocab_size or found.vocab_size,
+        )
+    if clip_max_new_tokens and limits.context_length is None:
         raise click.UsageError("--clip-max-new-tokens needs --context-length or --server")
     try:
         paths = sources.expand(list(files))
@@ -163,6 +188,8 @@ def enqueue_command(
         think, special = thinking.resolve(
             reasoning_preset, think_start, think_start_token_id, think_end, think_end_token_id, template
         )
+        if template is not None and limits.vocab_size is None:
+            limits.vocab_size = len(template.tokenizer)
     except (sources.SourceError, TemplateError) as exc:
         raise click.ClickException(str(exc)) from exc
     except thinking.ThinkError as exc:
@@ -181,7 +208,7 @@ def enqueue_command(
         template=template,
         think=think,
         keep_prompt=keep_prompt,
-        context_length=context_length,
+        limits=limits,
         clip=clip_max_new_tokens,
         max_queued=max_queued,
     )
@@ -197,11 +224,15 @@ def enqueue_command(
             options,
             replace_settings,
             report=lambda line: click.echo(line, err=True),
+            register_only=register_only,
         )
     except datasets.SettingsMismatch as exc:
         raise click.ClickException(str(exc)) from exc
     except sources.SourceError as exc:  # the count pass of --max-queued met a broken file
         raise click.ClickException(str(exc)) from exc
+    if register_only:
+        click.echo(f"{name}: settings recorded")
+        return
     print_summary(name, summary)
     if summary.fatal:
         raise click.ClickException(summary.fatal)

@@ -1,37 +1,67 @@
 """The model's context length, so prompts that cannot fit are rejected (or clipped) before they are queued.
 
 SGLang answers such a prompt with a 400 anyway; catching it here names the row in the source
-file and keeps it out of the queue and off the GPU hosts.
+file and keeps it out of the queue and off the GPU hosts. Ids outside the vocabulary are worse:
+SGLang does not check them at all, and they can crash the server.
 """
 
 from __future__ import annotations
 
-import json
-import urllib.request
+from dataclasses import dataclass
 
+from genq.backends import ServerInfo
 from producer.readers import Rejected, Row
 
 
-def context_length_of(server: str, timeout: float = 15.0) -> int:
-    """From SGLang's ``/server_info``: ``context_length`` if set, else ``max_req_input_len`` + 1."""
-    url = server.rstrip("/") + "/server_info"
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - the user's own server
-        info = json.loads(resp.read())
-    if isinstance(info.get("context_length"), int):
-        return info["context_length"]
-    if isinstance(info.get("max_req_input_len"), int):
-        return info["max_req_input_len"] + 1
-    raise ValueError(f"{url} names neither context_length nor max_req_input_len")
+@dataclass
+class Limits:
+    """What a prompt must respect to be worth queueing; None where nobody said."""
+
+    context_length: int | None = None  # prompt + max_new_tokens must stay below it
+    max_input_len: int | None = None  # prompts must be shorter (SGLang's max_req_input_len)
+    vocab_size: int | None = None  # ids must lie in [0, vocab_size)
+
+    @classmethod
+    def of_server(cls, info: ServerInfo) -> Limits:
+        return cls(info.prompt_limit(), info.max_input_len, info.vocab_size)
 
 
-def check_fits(item: Row, max_new_tokens: int, context_length: int, clip: bool = False) -> Row | Rejected:
-    """SGLang refuses prompt + max_new_tokens >= the context length with a 400.
+def check_vocab(item: Row, vocab_size: int) -> Row | Rejected:
+    """Ids outside the vocabulary are not refused by SGLang: they reach the embedding and can crash
+    the server (and every generation on it). Only a real id may be queued."""
+    ids = item.prompt.input_ids
+    if ids is None or max(ids) < vocab_size:
+        return item
+    i, token = next((i, t) for i, t in enumerate(ids) if t >= vocab_size)
+    return Rejected(
+        item.where,
+        item.row,
+        f"field 'input_ids'[{i}]: token id {token} is outside the vocabulary [0, {vocab_size})",
+    )
+
+
+def check_fits(
+    item: Row,
+    max_new_tokens: int,
+    context_length: int | None,
+    clip: bool = False,
+    max_input_len: int | None = None,
+) -> Row | Rejected:
+    """SGLang refuses prompt + max_new_tokens >= the context length with a 400, and its scheduler
+    a prompt of max_req_input_len tokens or more.
 
     With ``clip``, a prompt that leaves room for at least one new token gets ``max_new_tokens``
     lowered to what fits (``item.max_new_tokens``) instead. Text prompts have no known length here.
     """
     prompt = item.prompt.input_ids
-    if prompt is None or len(prompt) + max_new_tokens < context_length:
+    if prompt is not None and max_input_len is not None and len(prompt) >= max_input_len:
+        return Rejected(
+            item.where,
+            item.row,
+            f"field 'input_ids': {len(prompt)} prompt tokens; the server takes only prompts shorter "
+            f"than {max_input_len}",
+        )
+    if prompt is None or context_length is None or len(prompt) + max_new_tokens < context_length:
         return item
     room = context_length - 1 - len(prompt)
     if clip and room >= 1:

@@ -26,7 +26,7 @@ from genq.bitmaps import is_set
 from genq.keys import Keys
 from genq.schema import ABANDON_REQUEUES, JOB_FUNC, JobSpec, bit_index, record_id
 from producer import sources
-from producer.context import check_fits
+from producer.context import Limits, check_fits, check_vocab
 from producer.formats import Shape
 from producer.readers import Rejected, Row, read_dataset
 from producer.sources import SourceError
@@ -49,7 +49,7 @@ class Options:
     template: ChatTemplate | None = None
     think: dict[str, Any] | None = None
     keep_prompt: bool = True
-    context_length: int | None = None
+    limits: Limits = field(default_factory=Limits)
     clip: bool = False
     max_queued: int | None = None
 
@@ -110,8 +110,11 @@ def enqueue_rows(
     max_new = int(settings.sampling_params["max_new_tokens"])
     try:
         for item, todo in stream:
-            if options.context_length is not None and isinstance(item, Row):
-                item = check_fits(item, max_new, options.context_length, options.clip)
+            limits = options.limits
+            if limits.vocab_size is not None and isinstance(item, Row):
+                item = check_vocab(item, limits.vocab_size)
+            if isinstance(item, Row):
+                item = check_fits(item, max_new, limits.context_length, options.clip, limits.max_input_len)
             if isinstance(item, Rejected):
                 summary.rejected += 1
                 report(f"rejected {item}")
@@ -278,14 +281,18 @@ def enqueue_dataset(
     options: Options,
     replace_settings: bool = False,
     report: Report = lambda line: None,
+    register_only: bool = False,
 ) -> Summary:
-    """Register the dataset's settings (decision 12), then enqueue its sources.
+    """Register the dataset's settings (decision 12), then enqueue its sources (unless
+    ``register_only``: `genq run` registers first, so its collector knows the dataset).
 
     With ``max_queued`` the sources are counted first (cheaply: Parquet and saved datasets from
     their metadata, JSON Lines by counting lines) so `genq status` shows the full total at once.
     """
     wanted = datasets.settings_for(dataset, paths, sampling_params, samples, options.prompting())
     settings = datasets.register(conn, keys, wanted, replace=replace_settings)
+    if register_only:
+        return Summary()
     expected = None
     if options.max_queued is not None:
         expected = sum(sources.count(path, options.split) for path in paths)
