@@ -80,6 +80,14 @@ async def model_info(request: web.Request) -> web.Response:
     )
 
 
+async def models(request: web.Request) -> web.Response:
+    """The OpenAI-compatible model list SGLang serves beside its native API: max_model_len is the
+    context the tokenizer manager enforces (entrypoints/openai/serving_models.py)."""
+    config = request.app[SIM_STATE].config
+    card = {"id": model.MODEL_PATH, "object": "model", "owned_by": "sglang", "max_model_len": config.context}
+    return json_response({"object": "list", "data": [card]})
+
+
 async def server_info(request: web.Request) -> web.Response:
     """What SGLang's /server_info holds that clients read (the resolved server args plus scheduler
     info), and the simulator's own settings under "sim". No vocabulary size: SGLang gives none."""
@@ -207,6 +215,7 @@ def make_app(config: SimConfig | None = None) -> web.Application:
     if quirks.new_info_routes:
         router.add_get("/model_info", model_info)
         router.add_get("/server_info", server_info)
+    router.add_get("/v1/models", models)
     router.add_get("/sim/stats", sim_stats)
     router.add_route("GET", "/sim/faults", sim_faults)
     router.add_route("POST", "/sim/faults", sim_faults)

@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from sim.model import generate
+
+
+def need(tool: str) -> str:
+    """The tool's path; a missing tool skips the test, except in CI (.ci/run installs them), where
+    it fails saying which tool is missing."""
+    path = shutil.which(tool)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{tool} is not installed (.ci/run installs it)")
+        pytest.skip(f"{tool} is not installed")
+    return path
 
 
 def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
@@ -97,11 +111,18 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def check_records(
-    out: Path, dataset: str, prompts: list[list[int]], params: dict, samples: int = 1, **model: int
+    out: Path,
+    dataset: str,
+    prompts: list[list[int]],
+    params: dict,
+    samples: int = 1,
+    skip_rows: frozenset[int] = frozenset(),
+    **model: int,
 ) -> list[dict]:
     """DESIGN.md invariants on disk: each job exactly once, output_ids the server's for its prompt.
 
-    ``model`` passes the simulator's --min-len/--max-len, when a test changed them.
+    ``skip_rows``: rows expected in errors.jsonl instead. ``model`` passes the simulator's
+    --min-len/--max-len, when a test changed them.
     """
     records = read_jsonl(out / dataset / "raw_responses.jsonl")
     ids = Counter(r["id"] for r in records)
@@ -110,6 +131,7 @@ def check_records(
     expected = {
         (f"{dataset}-{row}-{k}" if samples > 1 else f"{dataset}-{row}")
         for row in range(len(prompts))
+        if row not in skip_rows
         for k in range(samples)
     }
     assert set(ids) == expected, (
@@ -141,3 +163,26 @@ def assert_adds_up(status: dict) -> None:
 def sigkill(proc: subprocess.Popen) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
+
+
+def sim_get(url: str, path: str) -> Any:
+    with urllib.request.urlopen(url + path, timeout=10) as resp:
+        return orjson.loads(resp.read())
+
+
+def sim_post(url: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(url + path, data=orjson.dumps(body), method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return orjson.loads(resp.read())
+
+
+def sim_stats(url: str) -> dict:
+    return sim_get(url, "/sim/stats")
+
+
+def server_up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5):
+            return True
+    except OSError:
+        return False

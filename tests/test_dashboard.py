@@ -4,23 +4,18 @@ are busy with JSON jobs, requeue that keeps genq's bookkeeping, delete off, basi
 from __future__ import annotations
 
 import base64
-import os
 import re
-import shutil
 import subprocess
 import urllib.error
 import urllib.request
 
 import orjson
-import pytest
 import redis
 
 from genq.dashboard_app import create_app
 from genq.embedded import free_port
 from genq.keys import Keys
-from tests.helpers import assert_adds_up, log_of, read_jsonl, status_json, wait_until, write_prompts
-
-CHROMIUM = shutil.which("chromium")
+from tests.helpers import assert_adds_up, log_of, need, read_jsonl, status_json, wait_until, write_prompts
 
 
 def get(url: str) -> tuple[int, bytes]:
@@ -37,7 +32,7 @@ def dump_dom(url: str, profile) -> str:
     """The page after its JavaScript has filled the tables from the JSON endpoints."""
     res = subprocess.run(
         [
-            CHROMIUM,
+            need("chromium"),
             "--headless",
             "--no-sandbox",
             "--disable-gpu",
@@ -59,11 +54,8 @@ def dump_dom(url: str, profile) -> str:
     return res.stdout
 
 
-@pytest.mark.skipif(
-    CHROMIUM is None and not os.environ.get("CI"),
-    reason="chromium not installed (apt-get install chromium; .ci/run installs it)",
-)
 def test_dashboard_in_chromium_during_a_run(procs, start_sim, out, tmp_path, conn, namespace):
+    need("chromium")  # skipped without it; in CI (which installs it) a clear failure
     url = start_sim(
         "--latency", "realistic", "--min-len", "1500", "--max-len", "1600", "--decode-step-ms", "5"
     )

@@ -37,14 +37,13 @@ from genq.cli import main
 from genq.embedded import free_port
 from genq.keys import Keys
 from genq.settings import REDIS_ENV, SERVER_ENV
-from tests.helpers import assert_adds_up, check_records, log_of, status_json, wait_until, write_prompts
+from tests.helpers import assert_adds_up, check_records, log_of, need, status_json, wait_until, write_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 OPS = REPO / "ops"
 SYSTEMD = OPS / "systemd"
 UNIT_GENQ = "/opt/genq/venv/bin/genq"
 VENV_GENQ = Path(sys.executable).parent / "genq"
-CI = bool(os.environ.get("CI"))
 
 # unit file -> (genq command, env example, EnvironmentFile in the unit)
 UNITS = {
@@ -53,16 +52,6 @@ UNITS = {
     "genq-dashboard.service": ("dashboard", "dashboard.env.example", "/etc/genq/dashboard.env"),
 }
 INSTANCE = "gpu0"
-
-
-def need(tool: str) -> str:
-    """The tool's path; a missing tool skips the test, except in CI (.ci/run installs them)."""
-    path = shutil.which(tool)
-    if path is None:
-        if CI:
-            pytest.fail(f"{tool} is not installed (.ci/run installs it)")
-        pytest.skip(f"{tool} is not installed")
-    return path
 
 
 def need_command(name: str) -> click.Command:
@@ -84,12 +73,18 @@ def option_envvars(cmd: click.Command) -> dict[str, click.Option]:
 
 
 ENV_READ = re.compile(r"""(?:environ(?:\.get)?\(?\[?|getenv\()\s*["'](GENQ_[A-Z0-9_]+)["']""")
+SECRET_READ = re.compile(r"""\bsecret\(\s*["']([A-Z0-9_]+)["']""")
 
 
 def env_read_in_source(cmd: click.Command) -> set[str]:
-    """GENQ_* variables the command's module reads straight from the environment."""
+    """GENQ_* variables the command's module reads straight from the environment (a secret X is
+    read from GENQ_X_FILE or GENQ_X)."""
     module = inspect.getmodule(inspect.unwrap(cmd.callback))
-    return set(ENV_READ.findall(inspect.getsource(module))) if module else set()
+    if module is None:
+        return set()
+    source = inspect.getsource(module)
+    secrets = {f"GENQ_{name}{tail}" for name in SECRET_READ.findall(source) for tail in ("", "_FILE")}
+    return set(ENV_READ.findall(source)) | secrets
 
 
 def parse_env_file(path: Path, commented: bool = False) -> dict[str, str]:

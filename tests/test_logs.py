@@ -17,7 +17,7 @@ def test_worker_json_log_names_job_dataset_and_worker_for_every_event(procs, out
     server = f"http://127.0.0.1:{port}"
     # The server is down when the worker starts, and comes up later.
     worker = procs.start("worker", "--server", server, "--concurrency", "4", "--log-format", "json")
-    wait_until(lambda: "looks down" in log_of(worker), 30, "the worker to see the server down")
+    wait_until(lambda: "not ready" in log_of(worker), 30, "the worker to see the server down")
     procs.start("sim-server", "--port", str(port), "--context-length", "256", "--fail-500", "0.3")
     collector = procs.start("collect", "--out", out, "--burst", env={"GENQ_LOG_FORMAT": "json"})
     wait_until(lambda: status_json(procs)["datasets"]["logs"]["done"] == 20, 60, "the run")
@@ -35,8 +35,7 @@ def test_worker_json_log_names_job_dataset_and_worker_for_every_event(procs, out
     (start,) = events(f"serving {server}")
     name = start["worker"]
     assert name.startswith(f"genq.{namespace}.") and start["server"] == server
-    assert events("looks down")[0]["server"] == server
-    assert events("is up again")[0]["server"] == server
+    assert events("not ready")[0]["server"] == server
     for retry in events("retrying in"):
         assert retry["job_id"].startswith(f"{namespace}--logs-") and retry["dataset"] == "logs"
         assert retry["worker"] == name and retry["attempt"] >= 1 and retry["error"]

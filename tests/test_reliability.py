@@ -3,12 +3,10 @@ and operators' tools run the wrong way. Each test checks the invariants on the f
 
 from __future__ import annotations
 
-import json
 import resource
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import orjson
@@ -21,7 +19,10 @@ from tests.helpers import (
     genq_argv,
     log_of,
     read_jsonl,
+    server_up,
     sigkill,
+    sim_post,
+    sim_stats,
     status_json,
     stop,
     wait_until,
@@ -30,17 +31,6 @@ from tests.helpers import (
 
 PARAMS = {"max_new_tokens": 200}
 RQ = str(Path(sys.executable).parent / "rq")
-
-
-def sim_post(url: str, path: str, body: dict) -> dict:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST")
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-def sim_stats(url: str) -> dict:
-    with urllib.request.urlopen(url + "/sim/stats", timeout=10) as resp:
-        return json.loads(resp.read())
 
 
 def test_server_down_sends_no_job_to_the_failed_list(procs, out, tmp_path):
@@ -56,7 +46,7 @@ def test_server_down_sends_no_job_to_the_failed_list(procs, out, tmp_path):
     data = tmp_path / "down.jsonl"
     prompts = write_prompts(data, 300)
     try:
-        wait_until(lambda: _up(url), 30, "the simulator")
+        wait_until(lambda: server_up(url), 30, "the simulator")
         assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
         worker = procs.start(
             "worker", "--server", url, "--burst", "--max-attempts", "2", "--concurrency", "32"
@@ -257,14 +247,6 @@ def test_rq_info_reaping_abandoned_jobs_loses_nothing(
     assert worker.wait(120) == 0, log_of(worker)
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
     check_records(out, "reaped", prompts, {"max_new_tokens": 2000}, min_len=1500, max_len=1600)
-
-
-def _up(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 def _in_stream(procs) -> int:

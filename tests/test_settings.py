@@ -23,8 +23,8 @@ from redis.retry import Retry
 from genq import settings
 from genq.cli import main
 from genq.embedded import free_port
-from genq.settings import REDIS_ENV, connect, env_name
-from tests.helpers import genq_argv, wait_until, write_prompts
+from genq.settings import REDIS_ENV, SERVER_ENV, connect, env_name
+from tests.helpers import genq_argv, need, wait_until, write_prompts
 
 
 def walk(group: click.Group, path: tuple[str, ...] = ()) -> Iterator[tuple[str, click.Command]]:
@@ -169,10 +169,7 @@ def openssl(*args: str) -> None:
 @pytest.fixture
 def pki(tmp_path) -> Path:
     """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
-    if shutil.which("openssl") is None:
-        if os.environ.get("CI"):
-            pytest.fail("openssl is not installed (.ci/run installs it)")
-        pytest.skip("openssl is not installed")
+    need("openssl")
     d = tmp_path / "pki"
     d.mkdir()
     key = ["-newkey", "rsa:2048", "-nodes", "-days", "1"]
@@ -245,8 +242,11 @@ def test_tls_settings_leave_plain_urls_alone(monkeypatch):
 
 
 def test_connection_variables_are_all_listed():
-    """REDIS_ENV (what the env examples must carry) names every variable settings.py reads."""
+    """REDIS_ENV and SERVER_ENV (what the env examples must carry) name every variable settings.py
+    reads (a secret X is read from GENQ_X_FILE or GENQ_X)."""
     source = inspect.getsource(settings)
     read = set(re.findall(r"""environ(?:\.get)?\(?\[?\s*["'](GENQ_[A-Z0-9_]+)["']""", source))
     tls = set(re.findall(r'"(GENQ_REDIS_[A-Z_]+_FILE)"', source))
-    assert read and read | tls <= set(REDIS_ENV), (read | tls) - set(REDIS_ENV)
+    secrets = {f"GENQ_{n}{t}" for n in re.findall(r'secret\("([A-Z_]+)"\)', source) for t in ("", "_FILE")}
+    listed = set(REDIS_ENV) | set(SERVER_ENV)
+    assert secrets and read | tls | secrets <= listed, (read | tls | secrets) - listed

@@ -54,6 +54,10 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "genq_in_flight": 3,
             "genq_retrying": 2,
             "genq_retries": 7,
+            "genq_backend": "sglang",
+            "genq_version": "0.5.23",
+            "genq_model": "m",
+            "genq_seeds": "False",
         },
     )
     conn.hset(keys.retrying(worker), "known", 2)
@@ -64,6 +68,7 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "records": 3,
             "prompt_tokens": 30,
             "completion_tokens": 1600,
+            "cut": 1,
             "live_tokens": 1600,
             "first_at": NOW - 400,
             "last_at": NOW - 50,
@@ -91,6 +96,7 @@ def test_status_reads_known_counters_exactly(conn, namespace):
         "prompt_tokens": 30,
         "completion_tokens": 1600,
         "avg_completion_tokens": 533.3,
+        "cut": 1,
         "tokens_per_s": round(recent, 1),
         "tokens_per_s_since_start": 4.0,  # 1,600 in the 400 s since the first record
         "eta_s": round(6 * (1600 / 3) / recent, 1),
@@ -121,6 +127,10 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "done": 3,
             "failed": 0,
             "retries": 7,
+            "backend": "sglang",
+            "server_version": "0.5.23",
+            "model": "m",
+            "seeds": False,
             "last_heartbeat": utcformat(beat),
             "heartbeat_age_s": 3.0,
         }
@@ -190,11 +200,16 @@ def test_token_counters_count_each_record_once_through_kills_and_lost_state(
     procs, start_sim, out, tmp_path, conn, namespace
 ):
     url = start_sim()
-    write_prompts(tmp_path / "k.jsonl", 600)
-    assert procs.run("enqueue", tmp_path / "k.jsonl", "--max-new-tokens", "100").returncode == 0
-    assert procs.run("worker", "--server", url, "--burst").returncode == 0
+    data, wave = tmp_path / "k.jsonl", tmp_path / "wave.jsonl"
     raw = out / "k" / "raw_responses.jsonl"
-    for _ in range(3):  # killed while writing: lines past the checkpoint are counted at start-up
+    for n in range(3):  # killed while writing: lines past the checkpoint are counted at start-up
+        # Each wave adds 200 rows to the file, so each collector has new lines to write, however
+        # fast it is, and may be killed anywhere in them.
+        write_prompts(wave, 200, start=200 * n)
+        with data.open("ab") as fh:
+            fh.write(wave.read_bytes())
+        assert procs.run("enqueue", data, "--max-new-tokens", "100").returncode == 0
+        assert procs.run("worker", "--server", url, "--burst").returncode == 0
         collector = procs.start("collect", "--out", out, "--batch", "50")
         size = raw.stat().st_size if raw.exists() else 0
         wait_until(lambda s=size: raw.exists() and raw.stat().st_size > s, 30, "more lines")

@@ -87,7 +87,9 @@ class ServerInfo:
         """The context length for genq's length checks: prompt + max_new_tokens must be below it."""
         if self.context_length is not None:
             return self.context_length
-        return self.max_input_len + 1 if self.max_input_len is not None else None
+        # SGLang: max_req_input_len = min(context - 1, KV capacity - 1) - 5, so the context is at
+        # least this much: a bound that never lets a prompt through that the server would refuse.
+        return self.max_input_len + 6 if self.max_input_len is not None else None
 
     def summary(self) -> dict[str, Any]:
         return {

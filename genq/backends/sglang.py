@@ -71,6 +71,10 @@ class SGLang(Backend):
         if not isinstance(model, dict):
             _, model = await self.http.get_json("/get_model_info")
         model = model if isinstance(model, dict) else {}
+        # context_length is null unless the server got --context-length; the OpenAI model card
+        # has the context the tokenizer manager enforces (max_model_len).
+        _, cards = await self.http.get_json("/v1/models")
+        card = cards["data"][0] if isinstance(cards, dict) and cards.get("data") else {}
         version = _str(info.get("version"))
         seeds = bool(info.get("enable_deterministic_inference"))
         result = ServerInfo(
@@ -78,7 +82,7 @@ class SGLang(Backend):
             url=url,
             version=version,
             model=_str(model.get("served_model_name") or model.get("model_path") or info.get("model_path")),
-            context_length=_int(info.get("context_length")),
+            context_length=_int(info.get("context_length")) or _int(card.get("max_model_len")),
             max_input_len=_int(info.get("max_req_input_len")),
             seeds=seeds,
         )
