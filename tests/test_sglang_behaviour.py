@@ -7,6 +7,7 @@ finished but are not, seeds, and what enqueue refuses before anything reaches a 
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import time
 from pathlib import Path
@@ -42,6 +43,12 @@ def natural_length(ids: list[int], min_len: int, max_len: int) -> int:
     return generate(ids, {"max_new_tokens": max_len + 1}, min_len=min_len, max_len=max_len).completion_tokens
 
 
+def ends_within(ids: list[int], limit: int, min_len: int, max_len: int) -> bool:
+    """The simulator's answer to ``ids`` ends (EOS) within ``limit`` tokens; cheap for small limits."""
+    gen = generate(ids, {"max_new_tokens": limit}, min_len=min_len, max_len=max_len)
+    return gen.finish_reason["type"] == "stop"
+
+
 # -- no prompt loops forever ------------------------------------------------------------------------
 
 
@@ -52,8 +59,11 @@ def test_a_prompt_that_always_gets_503_fails_as_server_timeout_while_the_rest_fi
     every time. The rest of the dataset is answered meanwhile, so those 503s are the prompt's own:
     charged, then spared only while nothing else is served, both bounded."""
     lengths = (8, 2500)
-    long = next(ids for i in range(5000) if natural_length(ids := [100 + i, 7, 9], *lengths) > 2000)
-    short = [ids for i in range(5000) if natural_length(ids := [200 + i, 5], *lengths) <= 40][:150]
+    long = next(ids for i in range(5000) if not ends_within(ids := [100 + i, 7, 9], 2000, *lengths))
+    short = list(
+        itertools.islice((ids for i in range(40000) if ends_within(ids := [200 + i, 5], 40, *lengths)), 150)
+    )
+    assert len(short) == 150
     prompts = short[:75] + [long] + short[75:]
     data = tmp_path / "timeouts.jsonl"
     write_rows(data, prompts)
@@ -282,7 +292,7 @@ def test_outputs_the_server_cut_short_are_marked_and_counted(procs, start_sim, o
     assert all(r["finish_reason"] == "length" and r["completion_tokens"] == 40 for r in cut)
     assert status_json(procs)["datasets"]["cut"]["cut"] == expected
     stats = orjson.loads(procs.run("stats", out, "--json").stdout)
-    assert stats["cut"]["cut"] == expected
+    assert stats["datasets"]["cut"]["cut"] == expected
 
 
 def test_ignored_seeds_are_said_at_start_and_in_status(procs, start_sim, out, tmp_path):

@@ -224,7 +224,8 @@ class Bookkeeper(BaseWorker):
             pipe.hincrby(self.keys.attempts, job_id, -1)
             if counter is not None:
                 pipe.hincrby(counter, job_id, 1)
-            return int(pipe.execute()[-1]) if counter is not None else 0
+            counts = pipe.execute()
+        return int(counts[-1]) if counter is not None else 0
 
     def pardon(self, job_ids: list[str]) -> None:
         """The crash these jobs were in flight at has its culprit: they are suspects no more."""
