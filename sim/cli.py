@@ -8,6 +8,7 @@ Every option can also come from GENQ_SIM_<NAME>, e.g. GENQ_SIM_FAIL_500=0.1.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +67,31 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
     default=model.DEFAULT_CONTEXT_LENGTH,
     type=click.IntRange(8),
     help="The model's own context (config.json), used when --context-length is not given.",
+)
+@_option(
+    "--api",
+    default="sglang",
+    type=click.Choice(["sglang", "vllm", "openai-chat"]),
+    help="Which engine's API to speak: SGLang's /generate, vLLM's OpenAI-compatible server, or a "
+    "hosted OpenAI-style chat endpoint.",
+)
+@_option("--vllm-version", default="0.33.0", help="vLLM release to imitate (return_token_ids from 0.10.2).")
+@_option(
+    "--generation-config",
+    default='{"temperature": 0.6, "top_p": 0.95, "top_k": 20}',
+    help="vLLM: the model's generation_config, applied to sampling fields a request leaves out.",
+)
+@_option(
+    "--prompt-tokens-details/--no-prompt-tokens-details",
+    default=False,
+    help="vLLM --enable-prompt-tokens-details: usage carries cached_tokens.",
+)
+@_option("--reasoning-parser/--no-reasoning-parser", default=False, help="Chat: split a reasoning part off.")
+@_option(
+    "--reasoning-field",
+    default="reasoning",
+    type=click.Choice(["reasoning", "reasoning_content"]),
+    help="Chat: the message field of the reasoning (vLLM >= 0.16: reasoning; SGLang: reasoning_content).",
 )
 @_option(
     "--sglang-version",
@@ -130,6 +156,12 @@ def sim_server(
     port: int,
     context_length: int | None,
     model_context_length: int,
+    api: str,
+    vllm_version: str,
+    generation_config: str,
+    prompt_tokens_details: bool,
+    reasoning_parser: bool,
+    reasoning_field: str,
     sglang_version: str,
     api_key: str | None,
     deterministic_inference: bool,
@@ -157,7 +189,8 @@ def sim_server(
     fail_duplicate: float,
     seed: int,
 ) -> None:
-    """Run a simulator of SGLang's native HTTP API (no GPU needed)."""
+    """Run a simulator of an inference server's HTTP API (no GPU needed): SGLang's /generate, vLLM's
+    OpenAI-compatible server, or a hosted chat endpoint, with a latency model and faults."""
     try:
         faults = FaultRates(
             error_500=fail_500,
@@ -171,9 +204,19 @@ def sim_server(
             duplicate=fail_duplicate,
         )
         versions.parse(sglang_version)
+        versions.parse(vllm_version)
+        defaults = json.loads(generation_config)
+        if not isinstance(defaults, dict):
+            raise ValueError("--generation-config must be a JSON object")
         config = SimConfig(
             context_length=context_length,
             model_context_length=model_context_length,
+            api=api,
+            vllm_version=vllm_version,
+            generation_config=defaults,
+            prompt_tokens_details=prompt_tokens_details,
+            reasoning_parser=reasoning_parser,
+            reasoning_field=reasoning_field,
             version=sglang_version,
             api_key=api_key,
             deterministic=deterministic_inference,

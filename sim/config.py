@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from sim import model
 from sim.faults import FaultRates
@@ -32,7 +33,17 @@ class SimConfig:
     keepalive_s: float = 5.0  # SGLang's uvicorn keep-alive: idle pooled connections die after 5 s
     disconnect_check_s: float = 4.0  # like SGLang, a gone client is noticed only every few seconds
     prefix_cache_entries: int = 10000  # prompts remembered for cached_tokens; 0 turns it off
+    api: str = "sglang"  # sglang | vllm | openai-chat (sim/server.py APIS)
     version: str = "0.5.23"  # the SGLang release whose API quirks to show (sim/versions.py)
+    vllm_version: str = "0.33.0"  # the vLLM release: return_token_ids from 0.10.2, nested errors 0.10.1
+    # vLLM fills omitted sampling fields from the model's generation_config.json; this one is
+    # Qwen3's. Clients that leave a field out get these, not OpenAI's defaults.
+    generation_config: dict[str, Any] = field(
+        default_factory=lambda: {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    )
+    prompt_tokens_details: bool = False  # vLLM --enable-prompt-tokens-details: usage.cached_tokens
+    reasoning_parser: bool = False  # chat: split a reasoning part off the answer
+    reasoning_field: str = "reasoning"  # vLLM >= 0.16: "reasoning"; SGLang, vLLM <= 0.11: "reasoning_content"
     api_key: str | None = None  # --api-key: /generate and the info routes answer 401 without it
     # --enable-deterministic-inference: sampling_seed changes the output. On by default here (the
     # toy model is deterministic anyway); off, seeds are accepted and ignored as in SGLang's default.
@@ -43,6 +54,12 @@ class SimConfig:
     health_timeout_s: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT: /health's generation gives up
 
     def __post_init__(self) -> None:
+        if self.api not in ("sglang", "vllm", "openai-chat"):
+            raise ValueError(f"api must be sglang, vllm or openai-chat, got {self.api!r}")
+        if self.reasoning_field not in ("reasoning", "reasoning_content"):
+            raise ValueError(
+                f"reasoning_field must be reasoning or reasoning_content, got {self.reasoning_field!r}"
+            )
         if self.latency not in ("zero", "realistic"):
             raise ValueError(f"latency must be 'zero' or 'realistic', got {self.latency!r}")
         if not 1 <= self.min_len <= self.max_len:

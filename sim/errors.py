@@ -10,17 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import orjson
 from aiohttp import web
 
-
-def json_response(
-    payload: object, status: int = 200, headers: Mapping[str, str] | None = None
-) -> web.Response:
-    """orjson-encoded JSON response (SGLang uses ORJSONResponse)."""
-    return web.Response(
-        body=orjson.dumps(payload), status=status, headers=headers, content_type="application/json"
-    )
+from sim.http import json_response
 
 
 def value_error(message: str) -> web.Response:

@@ -1,9 +1,9 @@
 """The simulator's deterministic "model": the same prompt and seed always give the same tokens.
 
 Tests import it to compute what the server must answer, with no server running. The output is a
-pure function of (input_ids, sampling_seed and the stop/length settings). temperature, top_p,
-top_k, min_p and the penalties do not change it: a toy model has no distribution to reshape, and a
-fixed answer is what tests need. json_schema, regex and ebnf are accepted but do not constrain it.
+pure function of (input_ids, sampling_seed, the stop/length settings and any sampling setting
+away from its neutral value: see NEUTRAL). json_schema, regex and ebnf are accepted but do not
+constrain it.
 """
 
 from __future__ import annotations
@@ -72,13 +72,41 @@ def detokenize(ids: Iterable[int], skip_special_tokens: bool = True) -> str:
     return " ".join(words)
 
 
-def _stream_seed(input_ids: Sequence[int], sampling_seed: int | None) -> int:
+# The sampling settings that reshape a real model's distribution, at the values that leave it as
+# it is. A value other than these changes the toy model's answer too, so a server that applies a
+# default the client did not ask for (vLLM's generation_config) gives another answer than the
+# client computes, and tests see it.
+NEUTRAL = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def _shaping(params: Mapping[str, Any]) -> str:
+    out = []
+    for key, neutral in NEUTRAL.items():
+        value = params.get(key)
+        if key == "top_k" and value is not None and value <= 0:
+            value = None  # 0 and -1 both mean "off" (vLLM and SGLang)
+        if value is not None and float(value) != neutral:
+            out.append(f"{key}={float(value)!r}")
+    return ",".join(out)
+
+
+def _stream_seed(input_ids: Sequence[int], sampling_seed: int | None, shaping: str = "") -> int:
     """Hash the prompt (and seed) once; a Random seeded with it then yields every position cheaply."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(b"genq-sim-v1|")
     digest.update(",".join(map(str, input_ids)).encode())
     if sampling_seed is not None:
         digest.update(b"|seed=%d" % int(sampling_seed))
+    if shaping:
+        digest.update(b"|" + shaping.encode())
     return int.from_bytes(digest.digest(), "little")
 
 
@@ -134,7 +162,7 @@ def generate(
     stop_ids = {int(t) for t in _as_list(params.get("stop_token_ids")) if t is not None}
     stop_strs = [s for s in _as_list(params.get("stop")) if s]
 
-    rng = random.Random(_stream_seed(input_ids, params.get("sampling_seed")))
+    rng = random.Random(_stream_seed(input_ids, params.get("sampling_seed"), _shaping(params)))
     eos_pos = max(rng.randint(min_len, max_len) - 1, min_new)
     words = len(_WORDS)
     output_ids: list[int] = []
@@ -168,3 +196,20 @@ def generate(
         finish_reason = {"type": "stop", "matched": matched}
     final_text = _trimmed_text(output_ids, matched, params, text if isinstance(matched, str) else None)
     return Generation(output_ids, final_text, finish_reason, len(output_ids))
+
+
+# Chat rendering of the simulated chat APIs: each turn is its role's special id, the content's
+# words, and an end id; the prompt ends with the assistant's role id (the generation prompt).
+ROLE_IDS = {"system": 10, "user": 11, "assistant": 12, "tool": 13}
+END_OF_TURN_ID = 14
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The prompt ids of a conversation, as the simulated server's chat template renders it."""
+    ids: list[int] = []
+    for message in messages:
+        ids.append(ROLE_IDS.get(str(message.get("role")), ROLE_IDS["user"]))
+        ids.extend(tokenize(str(message.get("content") or "")))
+        ids.append(END_OF_TURN_ID)
+    ids.append(ROLE_IDS["assistant"])
+    return ids

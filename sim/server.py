@@ -1,125 +1,25 @@
-"""The simulated SGLang server: make_app(config) wires the endpoints into an aiohttp application.
+"""The simulated inference server: make_app(config) wires one engine API into an aiohttp application.
 
-Besides SGLang's native endpoints it serves /sim/* controls so tests can read counters, change
-fault rates and flip health while the server runs.
+``config.api`` picks the API (sim/sglang.py, sim/vllm.py, sim/openai_chat.py); all of them share
+the toy model, the latency model and the faults (sim/engine.py). Besides the API's endpoints it
+serves /sim/* controls so tests can read counters, change fault rates, flip health and rotate
+the API key while the server runs.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
-import orjson
 from aiohttp import web
 
-from sim import model
+from sim import openai_chat, sglang, vllm
 from sim.config import SimConfig
-from sim.errors import json_response, unauthorized, validation_error
+from sim.errors import unauthorized, validation_error
 from sim.faults import FaultRates
-from sim.generate import handle_generate
+from sim.http import json_body, json_response
 from sim.state import SIM_STATE, SimState
 
 __all__ = ["SIM_STATE", "SimConfig", "make_app"]
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = orjson.loads(await request.read() or b"{}")
-    except orjson.JSONDecodeError as exc:
-        raise web.HTTPBadRequest(text=f"JSON decode error: {exc}") from exc
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text="expected a JSON object")
-    return body
-
-
-async def abort_request(request: web.Request) -> web.Response:
-    """Always 200 with an empty body, as in SGLang.
-
-    tokenizer_manager.py drops a rid that is not an exact live one; scheduler.py then aborts every
-    request whose rid *starts with* it (so no live rid should be a prefix of another).
-    """
-    state = request.app[SIM_STATE]
-    body = await _json_body(request)
-    rid = body.get("rid")
-    if body.get("abort_all"):
-        targets = list(state.in_flight.values())
-    elif isinstance(rid, str) and rid in state.in_flight:
-        targets = [f for r, f in state.in_flight.items() if r.startswith(rid)]
-    else:
-        targets = []
-    for flight in targets:
-        state.abort(flight, "Aborted")
-    return web.Response(status=200)
-
-
-async def health(request: web.Request) -> web.Response:
-    """http_server.py health_generate (both /health and /health_generate, 0.5.1 on): 503 while
-    starting or shutting down; else a 1-token generation, 200 once the scheduler makes progress,
-    503 after SGLANG_HEALTH_CHECK_TIMEOUT. The body is empty."""
-    state = request.app[SIM_STATE]
-    if not state.started.is_set() or state.shutting_down or not state.healthy:
-        return web.Response(status=503)
-    if state.scheduler is not None:
-        try:
-            await asyncio.wait_for(state.scheduler.progress(), state.config.health_timeout_s)
-        except TimeoutError:
-            return web.Response(status=503)
-    return web.Response(status=200)
-
-
-async def model_info(request: web.Request) -> web.Response:
-    return json_response(
-        {
-            "model_path": model.MODEL_PATH,
-            "served_model_name": model.MODEL_PATH,
-            "tokenizer_path": model.MODEL_PATH,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": "default",
-        }
-    )
-
-
-async def models(request: web.Request) -> web.Response:
-    """The OpenAI-compatible model list SGLang serves beside its native API: max_model_len is the
-    context the tokenizer manager enforces (entrypoints/openai/serving_models.py)."""
-    config = request.app[SIM_STATE].config
-    card = {"id": model.MODEL_PATH, "object": "model", "owned_by": "sglang", "max_model_len": config.context}
-    return json_response({"object": "list", "data": [card]})
-
-
-async def server_info(request: web.Request) -> web.Response:
-    """What SGLang's /server_info holds that clients read (the resolved server args plus scheduler
-    info), and the simulator's own settings under "sim". No vocabulary size: SGLang gives none."""
-    state = request.app[SIM_STATE]
-    config = state.config
-    scheduler = state.scheduler
-    return json_response(
-        {
-            "model_path": model.MODEL_PATH,
-            "tokenizer_path": model.MODEL_PATH,
-            "served_model_name": model.MODEL_PATH,
-            "context_length": config.context_length,  # null unless --context-length was given
-            "max_req_input_len": config.max_req_input_len,
-            "max_total_num_tokens": config.context * config.max_running_requests,
-            "max_running_requests": config.max_running_requests,
-            "max_queued_requests": config.max_queued_requests,
-            "enable_deterministic_inference": config.deterministic,
-            "internal_states": [
-                {
-                    "#running_req": scheduler.running if scheduler else 0,
-                    "#queue_req": scheduler.queued if scheduler else 0,
-                }
-            ],
-            "version": config.version,
-            "sim": {
-                "latency": config.latency,
-                "faults": state.faults.rates.as_dict(),
-                "min_len": config.min_len,
-                "max_len": config.max_len,
-            },
-        }
-    )
 
 
 async def sim_stats(request: web.Request) -> web.Response:
@@ -140,7 +40,7 @@ async def sim_faults(request: web.Request) -> web.Response:
     state = request.app[SIM_STATE]
     if request.method == "POST":
         try:
-            state.faults.rates = FaultRates.from_mapping(await _json_body(request), base=state.faults.rates)
+            state.faults.rates = FaultRates.from_mapping(await json_body(request), base=state.faults.rates)
         except (TypeError, ValueError) as exc:
             return validation_error(str(exc))
     return json_response(state.faults.rates.as_dict())
@@ -149,7 +49,7 @@ async def sim_faults(request: web.Request) -> web.Response:
 async def sim_health(request: web.Request) -> web.Response:
     """POST {"healthy": bool}: simulate a server going unhealthy or recovering."""
     state = request.app[SIM_STATE]
-    healthy = (await _json_body(request)).get("healthy")
+    healthy = (await json_body(request)).get("healthy")
     if not isinstance(healthy, bool):
         return validation_error("healthy must be a boolean")
     state.healthy = healthy
@@ -164,12 +64,14 @@ async def sim_rids(request: web.Request) -> web.Response:
 async def sim_api_key(request: web.Request) -> web.Response:
     """POST {"api_key": str | null}: rotate the key while the server runs."""
     state = request.app[SIM_STATE]
-    key = (await _json_body(request)).get("api_key")
+    key = (await json_body(request)).get("api_key")
     if key is not None and not isinstance(key, str):
         return validation_error("api_key must be a string or null")
     state.api_key = key
     return json_response({"api_key_set": key is not None})
 
+
+APIS = {"sglang": sglang, "vllm": vllm, "openai-chat": openai_chat}
 
 # utils/auth.py: these stay open whatever the key (and /sim/* are the simulator's own controls).
 _OPEN_PREFIXES = ("/health", "/ready", "/metrics", "/sim/")
@@ -202,20 +104,8 @@ def make_app(config: SimConfig | None = None) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_api_key])
     state = SimState(config or SimConfig())
     app[SIM_STATE] = state
-    quirks = state.quirks
+    APIS[state.config.api].add_routes(app)
     router = app.router
-    router.add_route("POST", "/generate", handle_generate)
-    router.add_route("PUT", "/generate", handle_generate)
-    if quirks.abort_route:
-        router.add_post("/abort_request", abort_request)
-    for path in ("/health", "/health_generate"):
-        router.add_get(path, health)
-    router.add_get("/get_model_info", model_info)
-    router.add_get("/get_server_info", server_info)
-    if quirks.new_info_routes:
-        router.add_get("/model_info", model_info)
-        router.add_get("/server_info", server_info)
-    router.add_get("/v1/models", models)
     router.add_get("/sim/stats", sim_stats)
     router.add_route("GET", "/sim/faults", sim_faults)
     router.add_route("POST", "/sim/faults", sim_faults)

@@ -154,7 +154,11 @@ def test_model_is_deterministic_and_prefix_stable() -> None:
     assert cut.finish_reason == {"type": "length", "length": 5}
     seeded = model.generate(ids, {"max_new_tokens": 1000, "sampling_seed": 1})
     assert seeded.output_ids != full.output_ids
-    assert model.generate(ids, {"max_new_tokens": 1000, "temperature": 0.0, "top_p": 0.5}) == full
+    neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    assert model.generate(ids, {"max_new_tokens": 1000, **neutral}) == full
+    # A setting away from neutral changes the answer: a server applying a default the client
+    # did not ask for is caught by tests that recompute outputs.
+    assert model.generate(ids, {"max_new_tokens": 1000, "temperature": 0.6}) != full
 
 
 def test_model_stop_token_ids_ignore_eos_and_lengths() -> None:
@@ -630,3 +634,121 @@ def test_bounded_queue_answers_503_when_full(start_sim: Any) -> None:
     assert first.status == 200
     assert second.status == 503
     assert second.json["message"] == "The request queue is full."
+
+
+# --- vLLM's OpenAI-compatible server (--api vllm) ---
+
+
+def test_vllm_completions_token_ids_in_and_out_with_its_defaults(start_sim: Any) -> None:
+    url = start_sim("--api", "vllm")
+    ids = [500, 501, 502]
+
+    async def go() -> tuple[Reply, Reply]:
+        async with aiohttp.ClientSession(headers={"X-Request-Id": "req-7"}) as session:
+            full = await _request(
+                session,
+                "POST",
+                url + "/v1/completions",
+                {
+                    "prompt": ids,
+                    "max_tokens": 600,
+                    "temperature": 1.0,
+                    "top_p": 1.0,
+                    "top_k": -1,
+                    "return_token_ids": True,
+                    "a_typo_ignored": 1,
+                },
+            )
+            bare = await _request(
+                session, "POST", url + "/v1/completions", {"prompt": ids, "return_token_ids": True}
+            )
+            return full, bare
+
+    full, bare = asyncio.run(go())
+    assert full.status == 200
+    choice = full.json["choices"][0]
+    expected = model.generate(ids, {"max_new_tokens": 600})
+    assert choice["token_ids"] == expected.output_ids and choice["prompt_token_ids"] == ids
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] is None, "EOS: no stop_reason"
+    assert full.json["usage"]["completion_tokens"] == len(expected.output_ids)
+    assert full.json["usage"]["prompt_tokens_details"] is None, "cached tokens only with the flag"
+    # Left out: max_tokens is 16, and sampling comes from the model's generation_config.
+    defaults = {"max_new_tokens": 16, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert bare.json["choices"][0]["token_ids"] == model.generate(ids, defaults).output_ids
+    assert bare.json["choices"][0]["finish_reason"] == "length"
+    assert call("GET", url + "/sim/rids").json == ["req-7", "req-7"], "X-Request-Id wins; duplicates allowed"
+    assert call("GET", url + "/version").json == {"version": "0.33.0"}
+    card = call("GET", url + "/v1/models").json["data"][0]
+    assert (card["id"], card["max_model_len"]) == (model.MODEL_PATH, model.DEFAULT_CONTEXT_LENGTH)
+
+
+def test_vllm_errors_and_clamps_as_its_source_says(start_sim: Any) -> None:
+    url = start_sim("--api", "vllm", "--context-length", "512")
+    long = call("POST", url + "/v1/completions", {"prompt": [500] * 513, "max_tokens": 5})
+    assert long.status == 400
+    assert long.json["error"]["message"].startswith("This model's maximum context length is 512 tokens.")
+    assert long.json["error"]["message"].endswith("(parameter=input_tokens, value=513)")
+    oov = call("POST", url + "/v1/completions", {"prompt": [500, model.VOCAB_SIZE]})
+    assert (oov.status, oov.json["error"]["message"]) == (
+        400,
+        f"Token id {model.VOCAB_SIZE} is out of vocabulary",
+    )
+    clamped = call(
+        "POST",
+        url + "/v1/completions",
+        {"prompt": [500] * 500, "max_tokens": 100, "ignore_eos": True, "return_token_ids": True},
+    )
+    assert clamped.status == 200 and len(clamped.json["choices"][0]["token_ids"]) == 12
+    assert clamped.json["choices"][0]["finish_reason"] == "length"
+    old = start_sim("--api", "vllm", "--vllm-version", "0.10.0")
+    reply = call("POST", old + "/v1/completions", {"prompt": [500, 501], "return_token_ids": True})
+    assert "token_ids" not in reply.json["choices"][0], "return_token_ids arrived in 0.10.2"
+    flat = call("POST", old + "/v1/completions", {"prompt": []})
+    assert flat.status == 400 and flat.json["object"] == "error", "flat error bodies before 0.10.1"
+
+
+def test_vllm_chat_returns_ids_and_reasoning(start_sim: Any) -> None:
+    url = start_sim("--api", "vllm", "--reasoning-parser")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why is the sky blue"}]
+    reply = call(
+        "POST",
+        url + "/v1/chat/completions",
+        {
+            "messages": messages,
+            "max_completion_tokens": 200,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "return_token_ids": True,
+        },
+    )
+    assert reply.status == 200
+    prompt = model.render_chat(messages)
+    expected = model.generate(prompt, {"max_new_tokens": 200})
+    assert reply.json["prompt_token_ids"] == prompt
+    choice = reply.json["choices"][0]
+    assert choice["token_ids"] == expected.output_ids
+    message = choice["message"]
+    assert " ".join(filter(None, [message["reasoning"], message["content"]])) == expected.text
+
+
+# --- a hosted chat API (--api openai-chat) ---
+
+
+def test_hosted_chat_is_strict_and_rate_limits(start_sim: Any) -> None:
+    url = start_sim("--api", "openai-chat")
+    messages = [{"role": "user", "content": "hello there"}]
+    ok = call("POST", url + "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 50})
+    assert ok.status == 200 and "token_ids" not in ok.json["choices"][0]
+    assert (
+        ok.json["choices"][0]["message"]["content"]
+        == model.generate(model.render_chat(messages), {"max_new_tokens": 50}).text
+    )
+    bad = call("POST", url + "/v1/chat/completions", {"messages": messages, "top_k": 5})
+    assert (bad.status, bad.json["error"]["message"]) == (
+        400,
+        "Unrecognized request argument supplied: top_k",
+    )
+    limited = start_sim("--api", "openai-chat", "--fail-429", "1.0")
+    reply = call("POST", limited + "/v1/chat/completions", {"messages": messages})
+    assert reply.status == 429 and reply.headers["Retry-After"] == "1"
