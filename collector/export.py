@@ -28,6 +28,7 @@ import orjson
 
 from collector.files import RAW
 from genq.settings import option
+from genq.templates import ChatTemplate, TemplateError
 
 FILES = {"eagle3": "tokenized_data.jsonl", "sharegpt": "sharegpt.jsonl", "messages": "messages.jsonl"}
 SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
@@ -37,6 +38,7 @@ SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
 class Exported:
     path: Path
     written: int = 0
+    rendered: int = 0  # text records turned into ids with --tokenizer
     skipped: Counter[str] = field(default_factory=Counter)
 
 
@@ -56,9 +58,15 @@ class _View:
 
 
 def export_dataset(
-    raw: Path, out: Path, fmt: str, reasoning_content: bool = False, include_truncated: bool = False
+    raw: Path,
+    out: Path,
+    fmt: str,
+    reasoning_content: bool = False,
+    include_truncated: bool = False,
+    template: ChatTemplate | None = None,
 ) -> Exported:
-    """Write ``out`` from ``raw`` (a raw_responses.jsonl) in format ``fmt``."""
+    """Write ``out`` from ``raw`` (a raw_responses.jsonl) in format ``fmt``; ``template`` renders
+    text-only records (a chat backend's) into ids for eagle3."""
     result = Exported(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
@@ -71,7 +79,13 @@ def export_dataset(
             if view.finish == "length" and not include_truncated:
                 result.skipped["truncated (finish_reason length; --include-truncated keeps them)"] += 1
                 continue
-            row = _eagle3(view) if fmt == "eagle3" else _chat(view, fmt, reasoning_content)
+            if fmt == "eagle3" and view.output_ids is None and template is not None and view.messages:
+                row = _rendered(view, template, reasoning_content)
+                result.rendered += not isinstance(row, str)
+            elif fmt == "eagle3":
+                row = _eagle3(view)
+            else:
+                row = _chat(view, fmt, reasoning_content)
             if isinstance(row, str):
                 result.skipped[row] += 1
                 continue
@@ -134,7 +148,9 @@ def _eagle3(view: _View) -> dict[str, Any] | str:
             return "input_ids and loss_mask of different lengths"
         return {"id": view.id, "input_ids": view.prompt_ids, "loss_mask": view.loss_mask}
     if view.output_ids is None:
-        return "no output_ids (an OpenAI-style record: text only)"
+        return (
+            "no output_ids (a text-only record: a chat backend's, or OpenAI-style; --tokenizer renders them)"
+        )
     if view.prompt_ids is None:
         return "no prompt input_ids in the record (enqueued with --no-keep-prompt, or by an older genq)"
     if view.prompt_tokens is not None and len(view.prompt_ids) != view.prompt_tokens:
@@ -144,6 +160,21 @@ def _eagle3(view: _View) -> dict[str, Any] | str:
         "input_ids": view.prompt_ids + view.output_ids,
         "loss_mask": [0] * len(view.prompt_ids) + [1] * len(view.output_ids),
     }
+
+
+def _rendered(view: _View, template: ChatTemplate, reasoning_content: bool) -> dict[str, Any] | str:
+    """A text-only record rendered with the chat template: loss on the answer's ids only. The ids
+    are the template's reading of the text, not the ids the server sampled."""
+    if view.content is None:
+        return "no answer after the reasoning (the thought never ended)"
+    answer: dict[str, Any] = {"role": "assistant", "content": view.content}
+    if reasoning_content and view.reasoning is not None:
+        answer["reasoning_content"] = view.reasoning
+    rendered = template.render_answer(view.messages or [], answer)
+    if isinstance(rendered, str):
+        return rendered
+    prompt, output = rendered
+    return {"id": view.id, "input_ids": prompt + output, "loss_mask": [0] * len(prompt) + [1] * len(output)}
 
 
 def _chat(view: _View, fmt: str, reasoning_content: bool) -> dict[str, Any] | str:
@@ -188,6 +219,11 @@ def _chat(view: _View, fmt: str, reasoning_content: bool) -> dict[str, Any] | st
 @option("--dataset", default=None, help="Only this dataset (default: every folder of DIR with results).")
 @option("--reasoning-content", is_flag=True, help="Keep the reasoning as the answer's reasoning_content.")
 @option("--include-truncated", is_flag=True, help="Also export outputs cut by max_new_tokens.")
+@option(
+    "--tokenizer",
+    default=None,
+    help="eagle3: render text-only records (a chat backend's) into ids with this tokenizer's chat template.",
+)
 def export_command(
     out_dir: Path,
     fmt: str,
@@ -195,12 +231,17 @@ def export_command(
     dataset: str | None,
     reasoning_content: bool,
     include_truncated: bool,
+    tokenizer: str | None,
 ) -> None:
     """Training files from DIR/<dataset>/raw_responses.jsonl, which is only read.
 
     eagle3: tokenized_data.jsonl (input_ids, loss_mask); sharegpt: sharegpt.jsonl; messages:
     messages.jsonl. Records left out are counted with the reason.
     """
+    try:
+        template = ChatTemplate(tokenizer) if tokenizer and fmt == "eagle3" else None
+    except TemplateError as exc:
+        raise click.ClickException(str(exc)) from exc
     names = [dataset] if dataset else sorted(p.parent.name for p in out_dir.glob(f"*/{RAW}"))
     if not names:
         raise click.ClickException(f"{out_dir}: no <dataset>/{RAW} in it")
@@ -209,8 +250,17 @@ def export_command(
         if not raw.is_file():
             raise click.ClickException(f"{raw}: no such file")
         result = export_dataset(
-            raw, (export_dir or out_dir) / name / FILES[fmt], fmt, reasoning_content, include_truncated
+            raw,
+            (export_dir or out_dir) / name / FILES[fmt],
+            fmt,
+            reasoning_content,
+            include_truncated,
+            template,
         )
         click.echo(f"{name}: wrote {result.written} to {result.path}")
+        if result.rendered:
+            click.echo(
+                f"{name}: rendered {result.rendered} text-only records with {tokenizer}'s chat template"
+            )
         for reason, n in result.skipped.most_common():
             click.echo(f"{name}: left out {n}: {reason}", err=True)

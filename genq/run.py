@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from genq import status as status_mod
+from genq.backends import NAMES
 from genq.embedded import EmbeddedRedis
 from genq.keys import Keys, validate_name
 from genq.orphans import requeue_orphans
@@ -34,7 +35,7 @@ class Interrupted(Exception):
 
 # Every `genq enqueue` option that `genq run` does not set itself, copied without its callback:
 # run forwards what was typed to enqueue, which converts and checks it (one place does that).
-_RUN_OWN = {"files", "dataset", "server", "redis_url", "namespace", "register_only"}
+_RUN_OWN = {"files", "dataset", "server", "backend", "redis_url", "namespace", "register_only"}
 
 
 def _raw(param: click.Parameter) -> click.Parameter:
@@ -71,7 +72,13 @@ def enqueue_argv(ctx: click.Context) -> list[str]:
 )
 @option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
 @option("--server", default=None, help="SGLang server URL (or --simulate).")
-@option("--simulate", is_flag=True, help="Start the bundled SGLang simulator and use it.")
+@option("--simulate", is_flag=True, help="Start the bundled simulator (of --backend's API) and use it.")
+@option(
+    "--backend",
+    type=click.Choice(NAMES),
+    default="auto",
+    help="The server's API (genq worker --backend); with --simulate, the API the simulator speaks.",
+)
 @option(
     "--sim-latency",
     type=click.Choice(["zero", "realistic"]),
@@ -89,6 +96,7 @@ def run_command(
     out,
     server,
     simulate,
+    backend,
     sim_latency,
     workers,
     concurrency,
@@ -134,7 +142,9 @@ def run_command(
                 )
         if simulate:
             sim = _start(
-                genq_command("sim-server", "--port", "0", "--latency", sim_latency),
+                genq_command(
+                    "sim-server", "--port", "0", "--latency", sim_latency, "--api", _sim_api(backend)
+                ),
                 logs / "sim.log",
                 {},
                 stdout=subprocess.PIPE,
@@ -146,7 +156,16 @@ def run_command(
 
         def enqueue(name: str, paths: list[Path], *extra: str) -> None:
             argv = genq_command(
-                "enqueue", *map(str, paths), "--dataset", name, "--server", server, *forwarded, *extra
+                "enqueue",
+                *map(str, paths),
+                "--dataset",
+                name,
+                "--server",
+                server,
+                "--backend",
+                backend,
+                *forwarded,
+                *extra,
             )
             result = subprocess.run(argv, env={**os.environ, **env})
             if result.returncode != 0:
@@ -165,7 +184,9 @@ def run_command(
         _wait_ready(conn, keys, collector, 60)
         for name, paths in groups:
             enqueue(name, paths)
-        worker_argv = genq_command("worker", "--server", server, "--concurrency", str(concurrency))
+        worker_argv = genq_command(
+            "worker", "--server", server, "--backend", backend, "--concurrency", str(concurrency)
+        )
         pool = [_start(worker_argv, logs / f"worker-{i}.log", env) for i in range(workers)]
         children.extend(pool)
         _follow(conn, keys, pool, collector, worker_argv, logs, env)
@@ -190,6 +211,10 @@ def run_command(
 
 
 run_command.params.extend(ENQUEUE_PARAMS)
+
+
+def _sim_api(backend: str) -> str:
+    return backend if backend in ("vllm", "openai-chat") else "sglang"
 
 
 def _start(

@@ -13,11 +13,11 @@ from genq import backends, datasets
 from genq.keys import Keys, validate_name
 from genq.sampling import Sampling, sampling_options
 from genq.settings import connect, option, redis_options
+from genq.templates import ChatTemplate, TemplateError
 from producer import sources, thinking
 from producer.context import Limits
 from producer.enqueue import Options, Summary, enqueue_dataset
 from producer.formats import CHAT_FORMATS, FIELDS, FORMATS, Shape
-from producer.templates import ChatTemplate, TemplateError
 
 
 def dataset_name(dataset: str | None, files: tuple[str, ...]) -> str:
@@ -105,6 +105,13 @@ def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) 
     "comes from GENQ_SERVER_API_KEY(_FILE).",
 )
 @option(
+    "--backend",
+    type=click.Choice(backends.NAMES),
+    default="auto",
+    help="The API the workers will use: with openai-chat the server renders conversations (no "
+    "--tokenizer), else prompts go as token ids. auto: ask --server, or assume a token backend.",
+)
+@option(
     "--vocab-size",
     type=click.IntRange(min=1),
     default=None,
@@ -143,6 +150,7 @@ def enqueue_command(
     register_only,
     context_length,
     server,
+    backend,
     vocab_size,
     clip_max_new_tokens,
     max_queued,
@@ -161,25 +169,36 @@ def enqueue_command(
     be run again safely. Rows are numbered across FILES in order: give the same files first.
     """
     name = dataset_name(dataset, files)
-    if tokenizer is None:
-        chat_only = (("--system-prompt", system_prompt), ("--chat-template-kwargs", chat_template_kwargs))
-        for flag, value in chat_only:
-            if value:
-                raise click.UsageError(f"{flag} needs --tokenizer (it goes through the chat template)")
-        if fmt in CHAT_FORMATS:
-            raise click.UsageError(f"--format {fmt} needs --tokenizer: genq does not guess a chat template")
     limits = Limits(context_length=context_length, vocab_size=vocab_size)
     if server:
         try:
-            info = backends.probe(server)
+            info = backends.probe(server, backend)
         except (backends.ServerRefused, backends.AttemptError) as exc:
             raise click.ClickException(f"could not read the limits of {server}: {exc}") from exc
+        backend = info.backend
         found = Limits.of_server(info)
         limits = Limits(
             limits.context_length or found.context_length,
             found.max_input_len,
             limits.vocab_size or found.vocab_size,
         )
+    server_renders = backend == "openai-chat"
+    if server_renders and tokenizer:
+        raise click.UsageError(
+            "--tokenizer renders prompts into token ids; the openai-chat backend sends messages"
+        )
+    if tokenizer is None and not server_renders:
+        if chat_template_kwargs:
+            raise click.UsageError(
+                "--chat-template-kwargs needs --tokenizer (it goes through the chat template)"
+            )
+        if system_prompt:
+            raise click.UsageError("--system-prompt needs --tokenizer, or --backend openai-chat")
+        if fmt in CHAT_FORMATS:
+            raise click.UsageError(
+                f"--format {fmt} needs --tokenizer (genq does not guess a chat template), "
+                "or --backend openai-chat"
+            )
     if clip_max_new_tokens and limits.context_length is None:
         raise click.UsageError("--clip-max-new-tokens needs --context-length or --server")
     try:
@@ -203,7 +222,13 @@ def enqueue_command(
             err=True,
         )
     options = Options(
-        shape=Shape(fmt, fields, system_prompt, chat=template is not None),
+        shape=Shape(
+            fmt,
+            fields,
+            system_prompt,
+            chat=template is not None or server_renders,
+            server_renders=server_renders,
+        ),
         split=split,
         template=template,
         think=think,

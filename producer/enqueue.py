@@ -25,12 +25,12 @@ from genq import datasets
 from genq.bitmaps import is_set
 from genq.keys import Keys
 from genq.schema import ABANDON_REQUEUES, JOB_FUNC, JobSpec, bit_index, record_id
+from genq.templates import ChatTemplate
 from producer import sources
 from producer.context import Limits, check_fits, check_vocab
 from producer.formats import Shape
 from producer.readers import Rejected, Row, read_dataset
 from producer.sources import SourceError
-from producer.templates import ChatTemplate
 
 BATCH = 1000
 RENDER_BATCH = 256  # conversations per apply_chat_template call
@@ -60,6 +60,7 @@ class Options:
             "format": shape.format if shape.format != "auto" else None,
             "fields": shape.fields or None,
             "system_prompt": shape.system_prompt,
+            "backend": "openai-chat" if shape.server_renders else None,
             "tokenizer": self.template.name if self.template else None,
             "chat_template": self.template.fingerprint if self.template else None,
             "chat_template_kwargs": (self.template.kwargs or None) if self.template else None,
@@ -255,7 +256,8 @@ class _Pusher:
             input_ids=prompt.input_ids,
             text=prompt.text if prompt.input_ids is None else None,
             source_id=prompt.source_id,
-            messages=prompt.messages if options.keep_prompt else None,
+            # A chat backend sends the messages themselves: they travel whatever --keep-prompt says.
+            messages=prompt.messages if options.keep_prompt or prompt.input_ids is None else None,
             think=options.think,
             keep_prompt=options.keep_prompt or None,
         )

@@ -81,7 +81,8 @@ class Shape:
     format: str = "auto"
     fields: dict[str, str] = field(default_factory=dict)  # genq's name -> the dataset's column
     system_prompt: str | None = None
-    chat: bool = False  # a tokenizer renders conversations
+    chat: bool = False  # conversations can be sent: a tokenizer renders them, or the server does
+    server_renders: bool = False  # the server renders them (a chat backend): no token ids here
 
     def col(self, name: str) -> str:
         return self.fields.get(name, name)
@@ -119,10 +120,16 @@ class Shape:
         return fmt, Prompt(text=text, source_id=source_id)
 
     def check_usable(self, fmt: str) -> None:
+        if fmt == "input_ids" and self.server_renders:
+            raise ShapeError(
+                "format input_ids is already tokenized: a chat backend (openai-chat) sends messages; use a "
+                "token backend (sglang, vllm) for these rows"
+            )
         if fmt in CHAT_FORMATS and not self.chat:
             raise ShapeError(
                 f"format {fmt} holds conversations: give --tokenizer so they are rendered with the "
-                "model's chat template (genq does not guess one)"
+                "model's chat template (genq does not guess one), or --backend openai-chat so the "
+                "server renders them"
             )
         if fmt == "input_ids" and self.system_prompt is not None:
             raise ShapeError("format input_ids is already tokenized: --system-prompt cannot apply to it")

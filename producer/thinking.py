@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from producer.templates import ChatTemplate
+from genq.templates import ChatTemplate
 
 THINK_START = "<think>"
 THINK_END = "</think>"

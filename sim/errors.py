@@ -40,8 +40,3 @@ def schema_error(message: str) -> web.Response:
 def internal_error(message: str = "Internal Server Error") -> web.Response:
     """Starlette's plain-text 500 for an exception nobody caught (e.g. SamplingParams' TypeError)."""
     return web.Response(status=500, text=message, content_type="text/plain")
-
-
-def unauthorized() -> web.Response:
-    """401 of SGLang's API-key middleware (utils/auth.py)."""
-    return json_response({"error": "Unauthorized"}, status=401)

@@ -228,6 +228,14 @@ async def models(request: web.Request) -> web.Response:
     return json_response({"object": "list", "data": [card]})
 
 
+def guarded(path: str) -> bool:
+    return True  # a hosted API wants the key everywhere
+
+
+def unauthorized() -> web.Response:
+    return openai_error(401, "Incorrect API key provided.", "invalid_request_error")
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)  # hosted APIs have no /health: clients probe this

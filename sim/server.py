@@ -14,7 +14,7 @@ from aiohttp import web
 
 from sim import openai_chat, sglang, vllm
 from sim.config import SimConfig
-from sim.errors import unauthorized, validation_error
+from sim.errors import validation_error
 from sim.faults import FaultRates
 from sim.http import json_body, json_response
 from sim.state import SIM_STATE, SimState
@@ -73,17 +73,16 @@ async def sim_api_key(request: web.Request) -> web.Response:
 
 APIS = {"sglang": sglang, "vllm": vllm, "openai-chat": openai_chat}
 
-# utils/auth.py: these stay open whatever the key (and /sim/* are the simulator's own controls).
-_OPEN_PREFIXES = ("/health", "/ready", "/metrics", "/sim/")
-
 
 @web.middleware
 async def _api_key(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    """--api-key, on the paths the imitated server guards (each API module says which)."""
     state = request.app[SIM_STATE]
-    open_path = request.path.startswith(_OPEN_PREFIXES)
-    if state.api_key and not open_path and request.headers.get("Authorization") != f"Bearer {state.api_key}":
+    api = APIS[state.config.api]
+    guarded = not request.path.startswith("/sim/") and api.guarded(request.path)
+    if state.api_key and guarded and request.headers.get("Authorization") != f"Bearer {state.api_key}":
         state.stats.unauthorized += 1
-        return unauthorized()
+        return api.unauthorized()
     return await handler(request)
 
 

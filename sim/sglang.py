@@ -191,6 +191,16 @@ async def server_info(request: web.Request) -> web.Response:
     )
 
 
+def guarded(path: str) -> bool:
+    """utils/auth.py: everything needs the key but /health*, /ready and /metrics."""
+    return not path.startswith(("/health", "/ready", "/metrics"))
+
+
+def unauthorized() -> web.Response:
+    """401 of SGLang's API-key middleware (utils/auth.py)."""
+    return json_response({"error": "Unauthorized"}, status=401)
+
+
 def add_routes(app: web.Application) -> None:
     quirks = app[SIM_STATE].quirks
     router = app.router

@@ -267,6 +267,15 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200 if ok else 503)
 
 
+def guarded(path: str) -> bool:
+    """serve/middleware/authenticate.py GUARDED_PREFIX: /health and /version stay open."""
+    return path.startswith(("/v1", "/v2", "/inference"))
+
+
+def unauthorized() -> web.Response:
+    return json_response({"error": "Unauthorized"}, status=401)
+
+
 def add_routes(app: web.Application) -> None:
     router = app.router
     router.add_post("/v1/completions", completions)

@@ -9,8 +9,8 @@ import pytest
 from rq import Queue
 
 from genq.keys import Keys
+from genq.templates import ChatTemplate, TemplateError
 from producer import thinking
-from producer.templates import ChatTemplate, TemplateError
 from sim.model import generate
 from tests.dataset_helpers import build_tokenizer, run_pipeline
 from worker.reasoning import split

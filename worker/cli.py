@@ -6,7 +6,7 @@ import asyncio
 
 import click
 
-from genq.backends import Http, open_backend
+from genq.backends import NAMES, Http
 from genq.keys import Keys
 from genq.logs import logging_options, setup_logging
 from genq.metrics import metrics_options, serve
@@ -21,6 +21,14 @@ from worker.daemon import Worker, WorkerConfig
     required=True,
     help="Base URL of the SGLang server, e.g. http://127.0.0.1:30000. Its API key (--api-key) comes "
     "from GENQ_SERVER_API_KEY or GENQ_SERVER_API_KEY_FILE, never from the command line.",
+)
+@option(
+    "--backend",
+    type=click.Choice(NAMES),
+    default="auto",
+    help="The server's API: sglang (/generate), vllm (/v1/completions, token ids), openai-chat "
+    "(/v1/chat/completions, text); auto asks the server. GENQ_MODEL names the model where the server "
+    "serves several.",
 )
 @option("--concurrency", type=click.IntRange(min=1), default=128, help="Jobs in flight in this process.")
 @option(
@@ -71,6 +79,7 @@ from worker.daemon import Worker, WorkerConfig
 @redis_options
 def worker_command(
     server,
+    backend,
     concurrency,
     max_attempts,
     max_spared,
@@ -97,6 +106,7 @@ def worker_command(
     serve(metrics_port, metrics_bind, metrics.REGISTRY)
     config = WorkerConfig(
         server=server,
+        backend=backend,
         concurrency=concurrency,
         max_attempts=max_attempts,
         max_spared=max_spared,
@@ -112,4 +122,4 @@ def worker_command(
 
 async def _run(conn, keys: Keys, config: WorkerConfig) -> None:
     async with Http(config.server, config.concurrency) as http:
-        await Worker(conn, keys, config, open_backend("sglang", http)).run()
+        await Worker(conn, keys, config, http).run()

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 
 import redis
 
-from genq.backends import Backend, ServerInfo, ServerRefused
+from genq import backends
+from genq.backends import Backend, Http, ServerInfo, ServerRefused
 from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
 from genq.schema import error_record
@@ -46,6 +47,7 @@ EXIT_REFUSED = 78
 @dataclass
 class WorkerConfig:
     server: str
+    backend: str = "auto"  # an engine API of genq/backends, or auto: ask the server
     concurrency: int = 128
     max_attempts: int = 5
     # Sends the server failed while it served no other job, spared per job (decision 7's bound).
@@ -82,10 +84,11 @@ class _Tries:
 
 
 class Worker:
-    def __init__(self, conn: redis.Redis, keys: Keys, config: WorkerConfig, backend: Backend):
+    def __init__(self, conn: redis.Redis, keys: Keys, config: WorkerConfig, http: Http):
         self.config = config
         self.keys = keys
-        self.backend = backend
+        self.http = http
+        self.backend: Backend
         self.books = Bookkeeper(conn, keys, config.heartbeat_ttl, config.server)
         self._redis_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genq-redis")
         self._in_flight: dict[asyncio.Task, Taken] = {}
@@ -161,10 +164,11 @@ class Worker:
             return  # stopped while waiting for the server
         await self.redis(self.books.start, {k: str(v) for k, v in info.summary().items() if v is not None})
         log.info(
-            "worker %s: serving %s (%s %s, model %s) with %d in flight at most",
+            "worker %s: serving %s (%s%s %s, model %s) with %d in flight at most",
             self.books.name,
             self.config.server,
             info.backend,
+            " detected" if self.config.backend == "auto" else "",
             info.version or "?",
             info.model or "?",
             self.config.concurrency,
@@ -200,6 +204,7 @@ class Worker:
         delay = 1.0
         while not self._stopping.is_set():
             try:
+                self.backend = await backends.choose(self.config.backend, self.http)
                 return await self.backend.probe()
             except ServerRefused as exc:
                 log.error("worker %s: %s", self.books.name, exc, extra=self._ctx())

@@ -21,12 +21,14 @@ def build_record(
 ) -> dict[str, Any]:
     reasoning, content = None, answer.text
     extra: dict[str, Any] = {}
-    if spec.think:
+    if answer.content is not None or answer.reasoning is not None:
+        reasoning, content = answer.reasoning, answer.content  # the server split it
+    elif spec.think and answer.output_ids is not None:
         parts = split(spec.think, answer.output_ids, answer.text, spec.input_ids, spec.text)
         reasoning, content = parts.reasoning, parts.content
         extra["reasoning_tokens"] = parts.reasoning_tokens
     if spec.keep_prompt:  # what exports need: the prompt ids (eagle3) and conversation (sharegpt)
-        extra["input_ids"] = spec.input_ids
+        extra["input_ids"] = spec.input_ids if spec.input_ids is not None else answer.prompt_ids
         extra["messages"] = spec.messages or ([{"role": "user", "content": spec.text}] if spec.text else None)
     if answer.finish_length is not None:
         extra["finish_length"] = answer.finish_length  # where the server cut max_new_tokens

@@ -2,42 +2,80 @@
 
 The worker sends through them; ``genq enqueue --server`` probes through them for the context
 length and the vocabulary. They live in the shared contract because both roles need them.
+``auto`` asks the server what it is (:func:`detect`).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from genq.backends.base import Answer, AttemptError, Backend, Http, ServerInfo, ServerRefused
+from genq.backends.base import Answer, AttemptError, Backend, Cost, Http, ServerInfo, ServerRefused
+from genq.backends.openai_chat import OpenAIChat
 from genq.backends.sglang import SGLang
+from genq.backends.vllm import VLLM
 
-BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (SGLang,)}
+BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (SGLang, VLLM, OpenAIChat)}
+NAMES = ("auto", *BACKENDS)
 
 __all__ = [
     "BACKENDS",
+    "NAMES",
     "Answer",
     "AttemptError",
     "Backend",
     "Http",
     "ServerInfo",
     "ServerRefused",
-    "open_backend",
+    "choose",
+    "detect",
     "probe",
 ]
 
 
-def open_backend(name: str, http: Http) -> Backend:
+async def detect(http: Http) -> type[Backend]:
+    """What the server answers: SGLang's /server_info (or /get_server_info) says sglang, vLLM's
+    /version says vllm, a bare /v1/models says an OpenAI-compatible chat endpoint."""
+    status, info = await http.get_json("/server_info")
+    if status == 404:
+        status, info = await http.get_json("/get_server_info")
+    if status == 200 and isinstance(info, dict) and "max_req_input_len" in info:
+        return SGLang
+    status, version = await http.get_json("/version")
+    if status == 200 and isinstance(version, dict) and "version" in version:
+        return VLLM
+    status, models = await http.get_json("/v1/models")
+    if status == 200 and isinstance(models, dict) and models.get("data"):
+        return OpenAIChat
+    if status in (401, 403):
+        raise ServerRefused(
+            f"{http.base_url} refused genq's API key ({status}): set GENQ_SERVER_API_KEY or "
+            "GENQ_SERVER_API_KEY_FILE to the server's --api-key"
+        )
+    if status >= 500:
+        raise AttemptError(
+            "unavailable", f"{http.base_url} answers {status}", status, cost=Cost.FREE, down=True
+        )
+    raise ServerRefused(
+        f"{http.base_url} answers neither SGLang's /server_info, vLLM's /version nor /v1/models: "
+        f"name its engine with --backend ({', '.join(BACKENDS)})"
+    )
+
+
+async def choose(name: str, http: Http) -> Backend:
+    """The backend ``name`` (or the detected one for ``auto``) on ``http``, not yet probed."""
+    if name == "auto":
+        return (await detect(http))(http)
     try:
         return BACKENDS[name](http)
     except KeyError:
-        raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}") from None
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(NAMES)}") from None
 
 
-def probe(url: str, name: str = "sglang") -> ServerInfo:
+def probe(url: str, name: str = "auto") -> ServerInfo:
     """What a server says about itself (blocking; for commands that are not async)."""
 
     async def run() -> ServerInfo:
         async with Http(url) as http:
-            return await open_backend(name, http).probe()
+            return await (await choose(name, http)).probe()
 
     return asyncio.run(run())

@@ -115,6 +115,11 @@ class Answer:
     cached_tokens: int | None
     finish_length: int | None = None  # where the server cut max_new_tokens (a length finish)
     token_exact: bool = True
+    # The server's own split of the answer (chat APIs with a reasoning parser); None: genq splits
+    # the text itself by the dataset's think markers.
+    reasoning: str | None = None
+    content: str | None = None
+    prompt_ids: list[int] | None = None  # the prompt as the server rendered it (chat APIs that say)
 
 
 class Http:

@@ -6,7 +6,8 @@ add_generation_prompt=True, tokenize=True)`` call: one Jinja render per conversa
 batched encode in the Rust tokenizer (in transformers 5 that call returns a ``BatchEncoding``).
 A conversation the template refuses (many raise on roles that do not alternate) is rejected alone.
 
-transformers is imported here only, so workers and the collector never load it.
+transformers is imported here only, and only when a template is used: `genq enqueue --tokenizer`,
+`genq export --tokenizer`.
 """
 
 from __future__ import annotations
@@ -68,6 +69,21 @@ class ChatTemplate:
             conversations, add_generation_prompt=True, tokenize=True, return_dict=True, **self.kwargs
         )
         return [list(ids) for ids in encoded["input_ids"]]
+
+    def render_answer(
+        self, messages: list[dict[str, Any]], answer: dict[str, Any]
+    ) -> tuple[list[int], list[int]] | str:
+        """(prompt ids, answer ids) of a conversation and its regenerated answer, as the template
+        renders the whole: the answer's ids are what follows the prompt (its end-of-turn tokens
+        included). A string says why it cannot be done (the template rewrote the prompt part)."""
+        prompt = self._render([messages])[0]
+        whole = self.tokenizer.apply_chat_template(
+            [[*messages, answer]], tokenize=True, return_dict=True, **self.kwargs
+        )["input_ids"][0]
+        whole = list(whole)
+        if whole[: len(prompt)] != prompt:
+            return "the chat template renders the prompt differently once the answer follows it"
+        return prompt, whole[len(prompt) :]
 
     # -- single tokens (think markers) ----------------------------------------------------
 

@@ -1,0 +1,130 @@
+"""vLLM's ``POST /v1/completions``: token ids in, token ids out (decision 6).
+
+Facts from vLLM 0.33's source (paths under ``vllm/``):
+
+- ``entrypoints/openai/completion/protocol.py``: ``prompt`` as a flat list of ints is one prompt,
+  taken as is (no BOS added); ``return_token_ids`` (0.10.2 on) puts the output ids in
+  ``choices[0].token_ids``, the EOS or stop token kept, and echoes ``prompt_token_ids``;
+  ``max_tokens`` defaults to 16; unknown fields are dropped silently.
+- ``config/model.py`` get_diff_sampling_param: omitted sampling fields come from the model's
+  generation_config: genq sends every one (genq/backends/openai_compat.py).
+- ``serve/engine/serving.py``: the ``X-Request-Id`` header names the request, fresh per send.
+- ``v1/core/sched/utils.py``: ``stop_reason`` is the matched stop id or string, None for the
+  model's EOS; ``finish_reason`` "abort" is HTTP 200 with partial output (a failed attempt),
+  "error" comes as a 500.
+- ``renderers/params.py``: prompt + max_tokens past max_model_len is clamped (0.32 on) and ends
+  "length" early: the record keeps ``finish_length``.
+- ``usage.prompt_tokens_details.cached_tokens`` only with ``--enable-prompt-tokens-details``;
+  otherwise genq records null, never 0.
+- Abort: closing the connection aborts the request (``serve/utils/api_utils.py``
+  with_cancellation); there is no abort route by default.
+
+SGLang's own ``/v1/completions`` (0.5.20 on, with ``return_token_ids``; ``matched_stop`` there)
+works through this backend too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from genq.backends import openai_compat as oai
+from genq.backends.base import Answer, AttemptError, Backend, Cost, ServerInfo, ServerRefused, parse_json
+from genq.schema import JobSpec
+
+PROBE_IDS = [1, 2, 3]
+
+
+class VLLM(Backend):
+    name = "vllm"
+
+    async def probe(self) -> ServerInfo:
+        url = self.http.base_url
+        card = await oai.model_card(self.http)
+        version = await oai.server_version(self.http)
+        self.model = str(card.get("id"))
+        body = {
+            "model": self.model,
+            "prompt": PROBE_IDS,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
+        status, raw, _ = await self.http.call("POST", "/v1/completions", body, timeout=120)
+        if status >= 500:
+            raise oai.classify(status, raw, None)
+        if status != 200:
+            raise oai.refused_probe(url, "/v1/completions", status, raw)
+        choices = (parse_json(raw) or {}).get("choices") or [{}]
+        if not isinstance(choices[0].get("token_ids"), list):
+            raise ServerRefused(
+                f"{url} (vLLM {version or '?'}) answers /v1/completions without token_ids: genq's vllm "
+                "backend needs vLLM >= 0.10.2 (return_token_ids) for token-exact records; for text "
+                "records use --backend openai-chat"
+            )
+        max_len = card.get("max_model_len")
+        self.info = ServerInfo(
+            backend=self.name,
+            url=url,
+            version=version,
+            model=self.model,
+            context_length=max_len if isinstance(max_len, int) else None,
+            seeds=True,  # per-request seeds are honoured (v1/worker/gpu_model_runner.py)
+        )
+        return self.info
+
+    def body(self, spec: JobSpec) -> dict[str, Any]:
+        if spec.input_ids is None:
+            raise AttemptError(
+                "bad_request",
+                "the vllm backend sends token ids: this job has none (enqueue it with --tokenizer, or use "
+                "--backend openai-chat)",
+                cost=Cost.FATAL,
+            )
+        return {
+            "model": self.model,
+            "prompt": spec.input_ids,
+            **oai.map_sampling(spec.sampling_params, extras=True, explicit=True),
+            "max_tokens": spec.max_new_tokens,
+            "n": 1,
+            "stream": False,
+            "return_token_ids": True,
+        }
+
+    async def generate(self, spec: JobSpec, rid: str, timeout: float) -> Answer:
+        body = self.body(spec)
+        status, raw, headers = await self.http.call(
+            "POST", "/v1/completions", body, timeout=timeout, headers=oai.request_headers(rid)
+        )
+        if status != 200:
+            raise oai.classify(status, raw, headers)
+        return answer(parse_json(raw), spec)
+
+
+def answer(data: Any, spec: JobSpec) -> Answer:
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise AttemptError("bad_response", "response has no choices")
+    choice = choices[0]
+    reason = oai.finish(choice)
+    output_ids = choice.get("token_ids")
+    if not isinstance(output_ids, list):
+        raise AttemptError("bad_response", "response has no choices[0].token_ids")
+    echoed = choice.get("prompt_token_ids")
+    if echoed is not None and echoed != spec.input_ids:
+        raise AttemptError("bad_response", "prompt_token_ids echoed differ from the prompt sent")
+    prompt_tokens, completion_tokens, cached = oai.usage_counts(data)
+    matched = choice.get("stop_reason", choice.get("matched_stop"))
+    if matched is None and reason == "stop" and output_ids:
+        matched = output_ids[-1]  # the model's own EOS, which vLLM leaves unnamed
+    asked = spec.max_new_tokens
+    cut = len(output_ids) if reason == "length" and len(output_ids) < asked else None
+    return Answer(
+        output_ids=output_ids,
+        text=choice.get("text"),
+        finish_reason=reason,
+        matched_stop=matched,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached,
+        finish_length=cut if cut is not None else (asked if reason == "length" else None),
+    )
