@@ -27,8 +27,10 @@ from worker.daemon import Worker, WorkerConfig
     type=click.Choice(NAMES),
     default="auto",
     help="The server's API: sglang (/generate), vllm (/v1/completions, token ids), openai-chat "
-    "(/v1/chat/completions, text); auto asks the server. GENQ_MODEL names the model where the server "
-    "serves several.",
+    "(/v1/chat/completions, text); auto asks the server.",
+)
+@option(
+    "--model", default=None, help="The model to ask for (OpenAI-style servers; default: the first listed)."
 )
 @option("--concurrency", type=click.IntRange(min=1), default=128, help="Jobs in flight in this process.")
 @option(
@@ -80,6 +82,7 @@ from worker.daemon import Worker, WorkerConfig
 def worker_command(
     server,
     backend,
+    model,
     concurrency,
     max_attempts,
     max_spared,
@@ -107,6 +110,7 @@ def worker_command(
     config = WorkerConfig(
         server=server,
         backend=backend,
+        model=model,
         concurrency=concurrency,
         max_attempts=max_attempts,
         max_spared=max_spared,

@@ -48,6 +48,7 @@ EXIT_REFUSED = 78
 class WorkerConfig:
     server: str
     backend: str = "auto"  # an engine API of genq/backends, or auto: ask the server
+    model: str | None = None  # the model to ask for, where the server serves several
     concurrency: int = 128
     max_attempts: int = 5
     # Sends the server failed while it served no other job, spared per job (decision 7's bound).
@@ -204,7 +205,7 @@ class Worker:
         delay = 1.0
         while not self._stopping.is_set():
             try:
-                self.backend = await backends.choose(self.config.backend, self.http)
+                self.backend = await backends.choose(self.config.backend, self.http, self.config.model)
                 return await self.backend.probe()
             except ServerRefused as exc:
                 log.error("worker %s: %s", self.books.name, exc, extra=self._ctx())

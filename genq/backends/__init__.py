@@ -61,21 +61,21 @@ async def detect(http: Http) -> type[Backend]:
     )
 
 
-async def choose(name: str, http: Http) -> Backend:
+async def choose(name: str, http: Http, model: str | None = None) -> Backend:
     """The backend ``name`` (or the detected one for ``auto``) on ``http``, not yet probed."""
     if name == "auto":
-        return (await detect(http))(http)
+        return (await detect(http))(http, model)
     try:
-        return BACKENDS[name](http)
+        return BACKENDS[name](http, model)
     except KeyError:
         raise ValueError(f"unknown backend {name!r}; known: {', '.join(NAMES)}") from None
 
 
-def probe(url: str, name: str = "auto") -> ServerInfo:
+def probe(url: str, name: str = "auto", model: str | None = None) -> ServerInfo:
     """What a server says about itself (blocking; for commands that are not async)."""
 
     async def run() -> ServerInfo:
         async with Http(url) as http:
-            return await (await choose(name, http)).probe()
+            return await (await choose(name, http, model)).probe()
 
     return asyncio.run(run())

@@ -197,8 +197,9 @@ class Backend(ABC):
     name: ClassVar[str]
     health_path: ClassVar[str] = "/health"
 
-    def __init__(self, http: Http) -> None:
+    def __init__(self, http: Http, model: str | None = None) -> None:
         self.http = http
+        self.model = model  # the model to ask for, where a server serves several
         self.info: ServerInfo | None = None
 
     @abstractmethod

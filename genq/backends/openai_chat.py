@@ -30,7 +30,7 @@ class OpenAIChat(Backend):
 
     async def probe(self) -> ServerInfo:
         url = self.http.base_url
-        card = await oai.model_card(self.http)
+        card = await oai.model_card(self.http, self.model)
         self.model = str(card.get("id"))
         self.vllm_version = await oai.server_version(self.http)
         body = {

@@ -8,7 +8,6 @@ without a word, so genq sends each field by name from the fixed tables below, ne
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from genq.backends.base import AttemptError, Cost, Http, ServerRefused, error_message
@@ -84,8 +83,9 @@ def request_headers(rid: str) -> dict[str, str]:
     return {"X-Request-Id": rid}
 
 
-async def model_card(http: Http) -> dict[str, Any]:
-    """``/v1/models``' first card (or GENQ_MODEL's); ServerRefused on a refused key."""
+async def model_card(http: Http, wanted: str | None) -> dict[str, Any]:
+    """``/v1/models``' card of model ``wanted`` (``genq worker --model``), else its first one;
+    ServerRefused on a refused key or a model the server does not serve."""
     status, cards = await http.get_json("/v1/models")
     if status in (401, 403):
         raise ServerRefused(
@@ -97,11 +97,10 @@ async def model_card(http: Http) -> dict[str, Any]:
     data = cards.get("data") if isinstance(cards, dict) else None
     if status != 200 or not isinstance(data, list) or not data:
         raise ServerRefused(f"{http.base_url} does not list its models on /v1/models (HTTP {status})")
-    wanted = os.environ.get("GENQ_MODEL")
     card = next((c for c in data if c.get("id") == wanted), None) if wanted else data[0]
     if card is None:
         names = ", ".join(str(c.get("id")) for c in data)
-        raise ServerRefused(f"{http.base_url} does not serve GENQ_MODEL={wanted!r} (it serves {names})")
+        raise ServerRefused(f"{http.base_url} does not serve the model {wanted!r} (it serves {names})")
     return card
 
 

@@ -39,7 +39,7 @@ class VLLM(Backend):
 
     async def probe(self) -> ServerInfo:
         url = self.http.base_url
-        card = await oai.model_card(self.http)
+        card = await oai.model_card(self.http, self.model)
         version = await oai.server_version(self.http)
         self.model = str(card.get("id"))
         body = {
