@@ -46,6 +46,13 @@ def test_token_backends_give_the_servers_ids_exactly_once(procs, start_sim, out,
     assert "token_exact" not in records[0], "token-exact records carry no flag"
     assert all(r["cached_tokens"] is None for r in records) or api == "sglang", "null unless the server says"
     assert not read_jsonl(out / "tok" / "errors.jsonl")
+    # The training data: prompt ids + the server's output ids, loss on the output only.
+    assert procs.run("export", out, "--format", "eagle3", "--include-truncated").returncode == 0
+    rows = {r["id"]: r for r in read_jsonl(out / "tok" / "tokenized_data.jsonl")}
+    for r in records:
+        prompt = prompts[r["row"]]
+        assert rows[r["id"]]["input_ids"] == prompt + r["output_ids"]
+        assert rows[r["id"]]["loss_mask"] == [0] * len(prompt) + [1] * len(r["output_ids"])
 
 
 def test_no_vllm_default_leaks_into_a_record(procs, start_sim, out, tmp_path):

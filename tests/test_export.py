@@ -141,7 +141,7 @@ def test_reasoning_content_and_the_older_shapes_on_disk(procs, start_sim, out, t
     res = procs.run("export", out, "--format", "eagle3", "--dataset", "legacy")
     assert res.returncode == 0, res.stderr
     assert [r["id"] for r in read_jsonl(legacy / "tokenized_data.jsonl")] == ["tok-1"]
-    assert "left out 1: no output_ids (an OpenAI-style record: text only)" in res.stderr
+    assert "left out 1: no output_ids (a text-only record" in res.stderr
     assert "left out 1: no prompt input_ids in the record" in res.stderr
     assert "left out 1: prompt input_ids do not match the server's prompt_tokens" in res.stderr
     res = procs.run("export", out, "--format", "sharegpt", "--dataset", "legacy", "--reasoning-content")

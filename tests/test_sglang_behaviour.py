@@ -215,7 +215,7 @@ def test_sglang_0_5_5_works_through_its_old_routes(procs, start_sim, out, tmp_pa
     )
     worker = procs.start("worker", "--server", url, "--burst")
     assert worker.wait(60) == 0, log_of(worker)
-    assert "sglang 0.5.5" in log_of(worker)
+    assert "sglang detected 0.5.5" in log_of(worker)
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
     assert sorted(r["row"] for r in read_jsonl(out / "v055" / "raw_responses.jsonl")) == [0, 2]
     assert {w["server_version"] for w in status_json(procs)["workers"]} <= {"0.5.5"}
