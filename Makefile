@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench llama-server real-engine
 
 $(BIN)/genq: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,17 @@ $(BIN)/genq: pyproject.toml
 demo: $(BIN)/genq
 	$(BIN)/genq run examples/prompts.jsonl --out out --simulate
 
-# Lint, then the whole test suite against a real redis-server.
-test: $(BIN)/genq
+# llama.cpp's server for the real-engine tests, built once (~8 min on 2 cores) and cached outside
+# the clone. Without cmake and g++ the real-engine tests skip (in CI, where .ci/run installs them, they fail).
+llama-server:
+	@bash ops/llamacpp/build-server.sh >/dev/null || echo "llama-server not built: the real-engine tests will skip"
+
+# The example dataset on a real engine: llama-server on a tiny model made now.
+real-engine: $(BIN)/genq
+	bash ops/llamacpp/demo.sh out-llama
+
+# Lint, then the whole test suite against a real redis-server (and a real llama-server).
+test: $(BIN)/genq llama-server
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q

@@ -15,6 +15,8 @@ from genq.embedded import EmbeddedRedis
 from genq.processes import wait_for_line
 from tests.helpers import Procs
 
+pytest_plugins = ["tests.llama"]  # llama_model and llama: the real engine
+
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory) -> Iterator[str]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 
 from genq.backends.base import Answer, AttemptError, Backend, Cost, Http, ServerInfo, ServerRefused
+from genq.backends.llamacpp import LlamaCpp
 from genq.backends.openai_chat import OpenAIChat
 from genq.backends.sglang import SGLang
 from genq.backends.vllm import VLLM
 
-BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (SGLang, VLLM, OpenAIChat)}
+BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (SGLang, VLLM, LlamaCpp, OpenAIChat)}
 NAMES = ("auto", *BACKENDS)
 
 __all__ = [
@@ -34,7 +35,8 @@ __all__ = [
 
 async def detect(http: Http) -> type[Backend]:
     """What the server answers: SGLang's /server_info (or /get_server_info) says sglang, vLLM's
-    /version says vllm, a bare /v1/models says an OpenAI-compatible chat endpoint."""
+    /version says vllm, llama.cpp's /props says llamacpp, a bare /v1/models says an
+    OpenAI-compatible chat endpoint."""
     status, info = await http.get_json("/server_info")
     if status == 404:
         status, info = await http.get_json("/get_server_info")
@@ -43,6 +45,9 @@ async def detect(http: Http) -> type[Backend]:
     status, version = await http.get_json("/version")
     if status == 200 and isinstance(version, dict) and "version" in version:
         return VLLM
+    status, props = await http.get_json("/props")
+    if status == 200 and isinstance(props, dict) and "default_generation_settings" in props:
+        return LlamaCpp
     status, models = await http.get_json("/v1/models")
     if status == 200 and isinstance(models, dict) and models.get("data"):
         return OpenAIChat

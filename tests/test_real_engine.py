@@ -1,0 +1,196 @@
+"""genq against a real inference engine: llama.cpp's llama-server on a tiny model made at test time.
+
+Greedy decoding is deterministic on it (sequentially, repeated and batched, measured), so every
+record can be compared with a direct /completion call on the same server: exactness through the
+queue, and through kills of every process, the engine's included.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import orjson
+import pytest
+
+from tests.helpers import (
+    log_of,
+    read_jsonl,
+    sigkill,
+    status_json,
+    stop,
+    wait_until,
+)
+from tests.llama import LlamaServer, direct, tiny_prompts
+
+pytestmark = pytest.mark.real_engine
+MAX_NEW = 32
+
+
+def _write(path, prompts: list[list[int]]) -> None:
+    path.write_bytes(
+        b"".join(orjson.dumps({"id": f"s{i}", "input_ids": p}) + b"\n" for i, p in enumerate(prompts))
+    )
+
+
+def _check_exact(
+    out, dataset: str, prompts: list[list[int]], url: str, skip: frozenset[int] = frozenset()
+) -> list[dict]:
+    """Each prompt once, its output ids what the server gives it when asked directly."""
+    records = read_jsonl(out / dataset / "raw_responses.jsonl")
+    rows = sorted(r["row"] for r in records)
+    assert rows == [i for i in range(len(prompts)) if i not in skip], "each prompt exactly once"
+    expected = direct(url, [prompts[r["row"]] for r in records], MAX_NEW)
+    for r, ids in zip(records, expected, strict=True):
+        assert r["output_ids"] == ids, f"{r['id']}: not the server's greedy output for its prompt"
+        assert r["backend"] == "llamacpp" and r["prompt_tokens"] == len(prompts[r["row"]])
+    return records
+
+
+def test_records_equal_direct_calls_through_the_queue(procs, llama, out, tmp_path):
+    prompts = tiny_prompts(300)
+    data = tmp_path / "exact.jsonl"
+    _write(data, prompts)
+    res = procs.run(
+        "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--server", llama.url
+    )
+    assert res.returncode == 0, res.stderr
+    workers = [
+        procs.start("worker", "--server", llama.url, "--burst", "--concurrency", "16") for _ in range(2)
+    ]
+    assert [w.wait(180) for w in workers] == [0, 0], [log_of(w) for w in workers]
+    assert "llamacpp detected" in log_of(workers[0])
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    records = _check_exact(out, "exact", prompts, llama.url)
+    stopped = [r for r in records if r["finish_reason"] == "stop"]
+    assert all(r["output_ids"][-1] == r["matched_stop"] for r in stopped), "EOS kept as the last id"
+
+
+def test_kills_on_a_real_engine_lose_and_repeat_nothing(procs, llama_model, out, tmp_path):
+    """Worker SIGKILL and SIGTERM, collector SIGKILL, the engine SIGKILLed and restarted, the
+    engine SIGSTOPped past the request deadline then SIGCONTed, each with requests in flight:
+    the same ids as direct calls, each once."""
+    binary, model, _ = llama_model
+    server = LlamaServer(binary, model, tmp_path / "llama.log").start()
+    prompts = tiny_prompts(1200, seed=1)
+    data = tmp_path / "kills.jsonl"
+    _write(data, prompts)
+    worker_args = (
+        "worker",
+        "--server",
+        server.url,
+        "--concurrency",
+        "8",
+        "--heartbeat-ttl",
+        "5",
+        "--grace",
+        "2",
+    )
+    worker_args += ("--request-timeout", "3", "--max-attempts", "20")
+    try:
+        assert (
+            procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0").returncode == 0
+        )
+        collector = procs.start("collect", "--out", out)
+        workers = [procs.start(*worker_args) for _ in range(2)]
+
+        def at(n: int) -> None:
+            """n records on disk, and jobs in flight: each kill meets work under way."""
+
+            def ready() -> bool:
+                c = status_json(procs)["datasets"]["kills"]
+                return c["done"] >= n and c["in_flight"] > 0
+
+            wait_until(ready, 120, f"{n} records on disk and jobs in flight", interval=0.1)
+
+        at(100)
+        sigkill(workers[0])
+        workers[0] = procs.start(*worker_args)
+        at(250)
+        assert stop(workers[1], timeout=30) == 0, log_of(workers[1])
+        workers[1] = procs.start(*worker_args)
+        at(400)
+        sigkill(collector)
+        collector = procs.start("collect", "--out", out)
+        at(550)
+        server.stop()  # SIGKILL: every request in flight is dropped
+        time.sleep(1)
+        server.start()
+        at(700)
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)  # every request in flight hangs past its 3 s deadline
+        time.sleep(5)
+        os.kill(server.proc.pid, signal.SIGCONT)
+        wait_until(
+            lambda: status_json(procs)["datasets"]["kills"]["done"] == len(prompts), 240, "every record"
+        )
+        for w in workers:
+            assert stop(w, timeout=60) == 0, log_of(w)
+        assert stop(collector, timeout=60) == 0, log_of(collector)
+        logs = "".join(log_of(w) for w in workers)
+        assert "looks down" in logs, "the engine's death was noticed"
+        assert "failed: timeout" in logs, "the stopped engine timed requests out"
+        _check_exact(out, "kills", prompts, server.url)
+        assert not read_jsonl(out / "kills" / "errors.jsonl")
+    finally:
+        server.stop()
+
+
+def test_a_prompt_over_the_slot_context(procs, llama, out, tmp_path):
+    """llama.cpp's context is per slot (-c / --parallel = 512 here): enqueue --server rejects what
+    cannot fit, naming the row; sent anyway, it is one 400 in errors.jsonl, never retried."""
+    prompts = [*tiny_prompts(3, seed=2), tiny_prompts(1, seed=3, length=(600, 600))[0]]
+    data = tmp_path / "ctx.jsonl"
+    _write(data, prompts)
+    res = procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--server", llama.url)
+    assert res.returncode == 0, res.stderr
+    assert "enqueued 3, skipped 0, rejected 1" in res.stdout
+    assert f"{data}:4: field 'input_ids': 600 prompt tokens" in res.stderr
+    res = procs.run(
+        "enqueue", data, "--dataset", "ctx2", "--max-new-tokens", str(MAX_NEW), "--temperature", "0"
+    )
+    assert "enqueued 4" in res.stdout
+    worker = procs.start("worker", "--server", llama.url, "--burst")
+    assert worker.wait(120) == 0, log_of(worker)
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    (error,) = read_jsonl(out / "ctx2" / "errors.jsonl")
+    assert (error["row"], error["error"], error["status"], error["attempts"]) == (3, "bad_request", 400, 1)
+    assert "exceeds the available context size" in error["message"]
+    _check_exact(out, "ctx2", prompts, llama.url, skip=frozenset({3}))
+
+
+def test_a_chat_dataset_rendered_with_the_models_own_tokenizer(procs, llama, llama_model, out, tmp_path):
+    """--tokenizer meets a real engine: the tiny model's tokenizer renders the conversations; the
+    record keeps exactly the ids sent, and the output is the server's for them."""
+    from transformers import AutoTokenizer
+
+    _, _, tokenizer_dir = llama_model
+    rows = [
+        {"id": f"c{i}", "conversations": [{"from": "human", "value": f"tell me about the number {i}"}]}
+        for i in range(40)
+    ]
+    data = tmp_path / "chat.jsonl"
+    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    res = procs.run(
+        "enqueue", data, "--tokenizer", tokenizer_dir, "--max-new-tokens", str(MAX_NEW), "--temperature", "0",
+        "--server", llama.url,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    worker = procs.start("worker", "--server", llama.url, "--burst")
+    assert worker.wait(120) == 0, log_of(worker)
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": r["conversations"][0]["value"]}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
+        for r in rows
+    ]
+    records = _check_exact(out, "chat", prompts, llama.url)
+    assert all(r["input_ids"] == prompts[r["row"]] for r in records)
