@@ -55,6 +55,7 @@ class _View:
     reasoning: str | None
     finish: str | None
     loss_mask: list[int] | None = None  # a pre-tokenized row: already in eagle3 shape
+    turns: list[dict[str, Any]] | None = None  # a conversation regenerated turn by turn
 
 
 def export_dataset(
@@ -79,9 +80,12 @@ def export_dataset(
             if view.finish == "length" and not include_truncated:
                 result.skipped["truncated (finish_reason length; --include-truncated keeps them)"] += 1
                 continue
-            if fmt == "eagle3" and view.output_ids is None and template is not None and view.messages:
+            rendered = view.turns is not None or view.output_ids is None
+            if fmt == "eagle3" and rendered and template is not None and view.messages:
                 row = _rendered(view, template, reasoning_content)
                 result.rendered += not isinstance(row, str)
+            elif fmt == "eagle3" and view.turns is not None:
+                row = "a conversation: eagle3 renders it whole with --tokenizer (the dataset's)"
             elif fmt == "eagle3":
                 row = _eagle3(view)
             else:
@@ -120,6 +124,7 @@ def _view(record: dict[str, Any]) -> _View | None:
             record.get("content"),
             record.get("reasoning"),
             record.get("finish_reason"),
+            turns=record.get("turns"),
         )
     choices = record.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):  # OpenAI chat completion
@@ -163,18 +168,28 @@ def _eagle3(view: _View) -> dict[str, Any] | str:
 
 
 def _rendered(view: _View, template: ChatTemplate, reasoning_content: bool) -> dict[str, Any] | str:
-    """A text-only record rendered with the chat template: loss on the answer's ids only. The ids
-    are the template's reading of the text, not the ids the server sampled."""
+    """The regenerated conversation rendered whole with the chat template, loss on every assistant
+    turn: a conversation (``--turns all``), or a text-only record (a chat backend's). The ids are
+    the template's reading of the text, not the ids the server sampled."""
     if view.content is None:
         return "no answer after the reasoning (the thought never ended)"
+    rendered = template.assistant_spans(_conversation(view, reasoning_content))
+    if isinstance(rendered, str):
+        return rendered
+    ids, mask = rendered
+    return {"id": view.id, "input_ids": ids, "loss_mask": mask}
+
+
+def _conversation(view: _View, reasoning_content: bool) -> list[dict[str, Any]]:
+    """The prompt conversation and the regenerated answer; the answers keep their reasoning as
+    reasoning_content only when asked."""
     answer: dict[str, Any] = {"role": "assistant", "content": view.content}
     if reasoning_content and view.reasoning is not None:
         answer["reasoning_content"] = view.reasoning
-    rendered = template.render_answer(view.messages or [], answer)
-    if isinstance(rendered, str):
-        return rendered
-    prompt, output = rendered
-    return {"id": view.id, "input_ids": prompt + output, "loss_mask": [0] * len(prompt) + [1] * len(output)}
+    turns = [*(view.messages or []), answer]
+    if not reasoning_content:
+        turns = [{k: v for k, v in t.items() if k != "reasoning_content"} for t in turns]
+    return turns
 
 
 def _chat(view: _View, fmt: str, reasoning_content: bool) -> dict[str, Any] | str:
@@ -183,10 +198,7 @@ def _chat(view: _View, fmt: str, reasoning_content: bool) -> dict[str, Any] | st
         return "no prompt conversation in the record (pre-tokenized rows, or --no-keep-prompt)"
     if view.content is None:
         return "no answer after the reasoning (the thought never ended)"
-    answer: dict[str, Any] = {"role": "assistant", "content": view.content}
-    if reasoning_content and view.reasoning is not None:
-        answer["reasoning_content"] = view.reasoning
-    turns = [*view.messages, answer]
+    turns = _conversation(view, reasoning_content)
     if fmt == "messages":
         return {"id": view.id, "messages": turns}
     conversations = []
@@ -222,7 +234,8 @@ def _chat(view: _View, fmt: str, reasoning_content: bool) -> dict[str, Any] | st
 @option(
     "--tokenizer",
     default=None,
-    help="eagle3: render text-only records (a chat backend's) into ids with this tokenizer's chat template.",
+    help="eagle3: render conversations (--turns all) and text-only records (a chat backend's) with this "
+    "tokenizer's chat template, loss on every assistant turn.",
 )
 def export_command(
     out_dir: Path,
@@ -260,7 +273,7 @@ def export_command(
         click.echo(f"{name}: wrote {result.written} to {result.path}")
         if result.rendered:
             click.echo(
-                f"{name}: rendered {result.rendered} text-only records with {tokenizer}'s chat template"
+                f"{name}: rendered {result.rendered} records with {tokenizer}'s chat template"
             )
         for reason, n in result.skipped.most_common():
             click.echo(f"{name}: left out {n}: {reason}", err=True)

@@ -108,7 +108,7 @@ def retry(conn: redis.Redis, keys: Keys, items: list[Failure]) -> tuple[int, int
                 job.meta = {}
                 job.save(pipeline=pipe)
                 queue._enqueue_job(job, pipeline=pipe, at_front=True)
-                for counter in keys.job_counters:
+                for counter in keys.job_state:
                     pipe.hdel(counter, job.id)
                 if row is not None:
                     pipe.setbit(keys.failed(name), bit_index(row, sample, samples), 0)

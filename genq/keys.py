@@ -19,6 +19,8 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``attempts``               hash   job id -> sends charged to the prompt so far, across workers
 - ``spared``                 hash   job id -> sends the server failed and the prompt was spared (bounded)
 - ``crashes``                hash   job id -> server crashes it was in flight at (bounded: ``suspect_crash``)
+- ``turns``                  hash   job id -> the finished turns of a conversation job (JSON), so another
+                                    worker goes on from the first unfinished one
 - ``maintenance``            string short lock so one worker at a time reaps abandoned jobs
 - ``worker:<name>:retrying`` hash   dataset -> this worker's jobs waiting between attempts (TTL: the
                                     heartbeat TTL, refreshed every 2 s: a dead worker's lapses with its jobs)
@@ -87,9 +89,13 @@ class Keys:
         return self.prefix + "crashes"
 
     @property
-    def job_counters(self) -> tuple[str, str, str]:
-        """The per-job counters; all three are cleared when the job ends or is retried."""
-        return (self.attempts, self.spared, self.crashes)
+    def turns(self) -> str:
+        return self.prefix + "turns"
+
+    @property
+    def job_state(self) -> tuple[str, ...]:
+        """genq's per-job state (counters, finished turns): cleared when the job ends or is retried."""
+        return (self.attempts, self.spared, self.crashes, self.turns)
 
     @property
     def collector_offsets(self) -> str:

@@ -89,6 +89,8 @@ class JobSpec:
     messages: list[dict[str, Any]] | None = None  # the prompt conversation, kept for exports
     think: dict[str, Any] | None = None  # think markers: start/end text and ids (worker/reasoning.py)
     keep_prompt: bool | None = None  # copy input_ids (and messages) into the record
+    turns: str | None = None  # "all": a conversation, every user turn answered (genq/conversation.py)
+    template: dict[str, Any] | None = None  # the chat template the worker renders later turns with
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_kwargs(self) -> dict[str, Any]:

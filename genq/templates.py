@@ -43,6 +43,22 @@ class ChatTemplate:
         self.name = name
         self.kwargs = dict(kwargs or {})
 
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> ChatTemplate:
+        """The template a job names (:meth:`spec`), loaded here; TemplateError if this host's copy
+        of the tokenizer renders with another template than the one the job was enqueued with."""
+        template = cls(spec["tokenizer"], spec.get("kwargs"))
+        if template.fingerprint != spec.get("fingerprint"):
+            raise TemplateError(
+                f"--tokenizer {spec['tokenizer']}: this host's chat template ({template.fingerprint}) is "
+                f"not the one the dataset was enqueued with ({spec.get('fingerprint')})"
+            )
+        return template
+
+    def spec(self) -> dict[str, Any]:
+        """What a worker needs to load this template again: name, kwargs, fingerprint."""
+        return {"tokenizer": self.name, "kwargs": self.kwargs, "fingerprint": self.fingerprint}
+
     @property
     def fingerprint(self) -> str:
         """A short hash of the template text: a changed template is another recipe (decision 12)."""
@@ -70,20 +86,35 @@ class ChatTemplate:
         )
         return [list(ids) for ids in encoded["input_ids"]]
 
-    def render_answer(
-        self, messages: list[dict[str, Any]], answer: dict[str, Any]
-    ) -> tuple[list[int], list[int]] | str:
-        """(prompt ids, answer ids) of a conversation and its regenerated answer, as the template
-        renders the whole: the answer's ids are what follows the prompt (its end-of-turn tokens
-        included). A string says why it cannot be done (the template rewrote the prompt part)."""
-        prompt = self._render([messages])[0]
-        whole = self.tokenizer.apply_chat_template(
-            [[*messages, answer]], tokenize=True, return_dict=True, **self.kwargs
-        )["input_ids"][0]
-        whole = list(whole)
-        if whole[: len(prompt)] != prompt:
-            return "the chat template renders the prompt differently once the answer follows it"
-        return prompt, whole[len(prompt) :]
+    def ids(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+        """One conversation's ids (raises what the template raises)."""
+        encoded = self.tokenizer.apply_chat_template(
+            [messages],
+            add_generation_prompt=generation_prompt,
+            tokenize=True,
+            return_dict=True,
+            **self.kwargs,
+        )
+        return list(encoded["input_ids"][0])
+
+    def assistant_spans(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]] | str:
+        """The whole conversation's ids and a loss mask of 1 over every assistant turn (its end-of-turn
+        tokens included), 0 elsewhere — what SpecForge's preprocessing trains a drafter on. A
+        string says why not: the template renders a prefix differently once more turns follow it."""
+        try:
+            whole = self.ids(messages, generation_prompt=False)
+            mask = [0] * len(whole)
+            for i, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                before = self.ids(messages[:i], generation_prompt=True)
+                through = self.ids(messages[: i + 1], generation_prompt=False)
+                if through[: len(before)] != before or whole[: len(through)] != through:
+                    return f"the chat template renders turn {i} differently once more turns follow it"
+                mask[len(before) : len(through)] = [1] * (len(through) - len(before))
+        except Exception as exc:  # a template can raise anything; the record says what
+            return f"chat template: {type(exc).__name__}: {exc}"
+        return whole, mask
 
     # -- single tokens (think markers) ----------------------------------------------------
 

@@ -11,7 +11,8 @@ import click
 
 from genq import backends, datasets
 from genq.keys import Keys, validate_name
-from genq.sampling import Sampling, sampling_options
+from genq.sampling import Sampling, SamplingError, sampling_options
+from genq.sampling import check as check_sampling
 from genq.settings import connect, option, redis_options
 from genq.templates import ChatTemplate, TemplateError
 from producer import sources, thinking
@@ -83,6 +84,13 @@ def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) 
 )
 @option("--system-prompt", default=None, help="Replace each conversation's system turn, or add one.")
 @option(
+    "--turns",
+    type=click.Choice(["last", "all"]),
+    default="last",
+    help="Conversations: answer the last user turn (last), or every user turn in order, each with the "
+    "model's own earlier answers (all: one job per conversation, rendered turn by turn by the worker).",
+)
+@option(
     "--keep-prompt/--no-keep-prompt", default=True, help="Keep input_ids and the conversation in records."
 )
 @sampling_options
@@ -144,6 +152,7 @@ def enqueue_command(
     tokenizer,
     chat_template_kwargs,
     system_prompt,
+    turns,
     keep_prompt,
     sampling: Sampling,
     replace_settings,
@@ -170,18 +179,26 @@ def enqueue_command(
     """
     name = dataset_name(dataset, files)
     limits = Limits(context_length=context_length, vocab_size=vocab_size)
+    accepted = backends.BACKENDS[backend].sampling_keys if backend in backends.BACKENDS else None
     if server:
         try:
             info = backends.probe(server, backend)
         except (backends.ServerRefused, backends.AttemptError) as exc:
             raise click.ClickException(f"could not read the limits of {server}: {exc}") from exc
         backend = info.backend
+        vllm_chat = backend == "openai-chat" and (info.version or "").startswith("vllm")
+        accepted = backends.VLLM_SAMPLING_KEYS if vllm_chat else backends.BACKENDS[backend].sampling_keys
         found = Limits.of_server(info)
         limits = Limits(
             limits.context_length or found.context_length,
             found.max_input_len,
             limits.vocab_size or found.vocab_size,
         )
+    if accepted is not None:
+        try:
+            check_sampling(sampling.params(), accepted, backend)
+        except SamplingError as exc:
+            raise click.UsageError(str(exc)) from exc
     server_renders = backend == "openai-chat"
     if server_renders and tokenizer:
         raise click.UsageError(
@@ -228,6 +245,7 @@ def enqueue_command(
             system_prompt,
             chat=template is not None or server_renders,
             server_renders=server_renders,
+            turns=turns,
         ),
         split=split,
         template=template,

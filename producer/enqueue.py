@@ -23,6 +23,7 @@ from rq import Queue, Retry
 
 from genq import datasets
 from genq.bitmaps import is_set
+from genq.conversation import first_turn
 from genq.keys import Keys
 from genq.schema import ABANDON_REQUEUES, JOB_FUNC, JobSpec, bit_index, record_id
 from genq.templates import ChatTemplate
@@ -61,6 +62,7 @@ class Options:
             "fields": shape.fields or None,
             "system_prompt": shape.system_prompt,
             "backend": "openai-chat" if shape.server_renders else None,
+            "turns": "all" if shape.turns == "all" else None,
             "tokenizer": self.template.name if self.template else None,
             "chat_template": self.template.fingerprint if self.template else None,
             "chat_template_kwargs": (self.template.kwargs or None) if self.template else None,
@@ -107,7 +109,7 @@ def enqueue_rows(
     pusher = _Pusher(conn, keys, settings, options, expected_rows)
     stream = _fresh(conn, keys, settings, rows, summary)
     if options.template is not None:
-        stream = _rendered(stream, options.template)
+        stream = _rendered(stream, options.template, options.shape.turns == "all")
     max_new = int(settings.sampling_params["max_new_tokens"])
     try:
         for item, todo in stream:
@@ -162,7 +164,7 @@ def _fresh(
 
 
 def _rendered(
-    stream: Iterator[tuple[Row | Rejected, list[int]]], template: ChatTemplate
+    stream: Iterator[tuple[Row | Rejected, list[int]]], template: ChatTemplate, all_turns: bool = False
 ) -> Iterator[tuple[Row | Rejected, list[int]]]:
     """Conversations rendered to input_ids, RENDER_BATCH at a time, in order.
 
@@ -175,19 +177,22 @@ def _rendered(
             held.append(entry)
             waiting += isinstance(entry[0], Row) and entry[0].prompt.messages is not None
             if waiting >= RENDER_BATCH:
-                yield from _render_held(held, template)
+                yield from _render_held(held, template, all_turns)
                 held, waiting = [], 0
     except SourceError:
-        yield from _render_held(held, template)
+        yield from _render_held(held, template, all_turns)
         raise
-    yield from _render_held(held, template)
+    yield from _render_held(held, template, all_turns)
 
 
 def _render_held(
-    held: list[tuple[Row | Rejected, list[int]]], template: ChatTemplate
+    held: list[tuple[Row | Rejected, list[int]]], template: ChatTemplate, all_turns: bool
 ) -> Iterator[tuple[Row | Rejected, list[int]]]:
+    """Render each conversation's prompt; with ``all_turns``, its first turn's (the later turns
+    need the model's answers: the worker renders them, and checks its first render against this)."""
     chats = [item for item, _ in held if isinstance(item, Row) and item.prompt.messages is not None]
-    rendered = iter(template.render([item.prompt.messages for item in chats]) if chats else [])
+    shown = [first_turn(i.prompt.messages) if all_turns else i.prompt.messages for i in chats]  # type: ignore[arg-type]
+    rendered = iter(template.render(shown) if chats else [])
     for item, todo in held:
         if isinstance(item, Row) and item.prompt.messages is not None:
             ids = next(rendered)
@@ -256,10 +261,15 @@ class _Pusher:
             input_ids=prompt.input_ids,
             text=prompt.text if prompt.input_ids is None else None,
             source_id=prompt.source_id,
-            # A chat backend sends the messages themselves: they travel whatever --keep-prompt says.
-            messages=prompt.messages if options.keep_prompt or prompt.input_ids is None else None,
+            # A chat backend sends the messages themselves, a conversation is answered turn by turn
+            # from them: then they travel whatever --keep-prompt says.
+            messages=prompt.messages
+            if options.keep_prompt or prompt.input_ids is None or options.shape.turns == "all"
+            else None,
             think=options.think,
             keep_prompt=options.keep_prompt or None,
+            turns="all" if options.shape.turns == "all" else None,
+            template=options.template.spec() if options.template and options.shape.turns == "all" else None,
         )
         described = f"{settings.name} row {item.row}" + (f" sample {sample}" if settings.samples > 1 else "")
         return self.queue.prepare_data(

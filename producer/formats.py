@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from genq import conversation
+
 FORMATS = ("input_ids", "messages", "sharegpt", "prompt", "instruction")
 # The column each format is detected by, in the order ``auto`` tries them.
 KEY_COLUMN = {
@@ -83,6 +85,7 @@ class Shape:
     system_prompt: str | None = None
     chat: bool = False  # conversations can be sent: a tokenizer renders them, or the server does
     server_renders: bool = False  # the server renders them (a chat backend): no token ids here
+    turns: str = "last"  # "all": every user turn is answered in order (genq/conversation.py)
 
     def col(self, name: str) -> str:
         return self.fields.get(name, name)
@@ -112,7 +115,11 @@ class Shape:
             return fmt, Prompt(input_ids=self._ids(data), source_id=source_id)
         if fmt in CHAT_FORMATS:
             turns = self._messages(data) if fmt == "messages" else self._sharegpt(data)
-            return fmt, Prompt(messages=self._conversation(data, turns, fmt), source_id=source_id)
+            messages = self._conversation(data, turns, fmt)
+            why = conversation.check(messages) if self.turns == "all" else None
+            if why is not None:
+                raise RowError(f"field '{self.col(KEY_COLUMN[fmt])}': {why}")
+            return fmt, Prompt(messages=messages, source_id=source_id)
         text = self._prompt(data) if fmt == "prompt" else self._instruction(data)
         if self.chat:
             turns = [{"role": "user", "content": text}]

@@ -204,6 +204,6 @@ def test_a_chat_run_resumes_and_eagle3_needs_a_tokenizer_for_text_records(tmp_pa
         timeout=120,
     )
     assert rendered.returncode == 0, rendered.stderr
-    assert "talk: wrote 30" in rendered.stdout and "rendered 30 text-only records" in rendered.stdout
+    assert "talk: wrote 30" in rendered.stdout and "rendered 30 records" in rendered.stdout
     rows = read_jsonl(out / "talk" / "tokenized_data.jsonl")
     assert all(len(r["input_ids"]) == len(r["loss_mask"]) and 1 in r["loss_mask"] for r in rows)

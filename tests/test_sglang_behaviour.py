@@ -317,7 +317,7 @@ def test_ignored_seeds_are_said_at_start_and_in_status(procs, start_sim, out, tm
     [
         (("--top-p", "0"), "--top-p"),
         (("--top-p", "1.5"), "--top-p"),
-        (("--top-k", "0"), "must be -1 (off) or at least 1"),
+        (("--top-k", "0"), "must be -1 (disable) or at least 1"),
         (("--seed", str(2**63)), "--seed"),
         (("--seed", str(2**63 - 1), "--samples", "2"), "seed + samples - 1"),
     ],

@@ -29,7 +29,7 @@ from rq.worker import BaseWorker, WorkerStatus
 from genq import datasets
 from genq.keys import Keys
 from genq.maintenance import reap
-from genq.schema import KIND_ERROR, KIND_RECORD, JobSpec, dumps
+from genq.schema import KIND_ERROR, KIND_RECORD, JobSpec, dumps, loads
 
 log = logging.getLogger("genq.worker")
 
@@ -227,6 +227,19 @@ class Bookkeeper(BaseWorker):
             counts = pipe.execute()
         return int(counts[-1]) if counter is not None else 0
 
+    def turns_done(self, job_id: str) -> list[dict]:
+        """A conversation's finished turns, from an earlier worker or this one."""
+        raw = self.connection.hget(self.keys.turns, job_id)
+        return loads(raw) if raw else []
+
+    def save_turns(self, job_id: str, turns: list[dict]) -> None:
+        """Keep the finished turns; the next turn starts with a fresh budget (attempts per turn)."""
+        with self.connection.pipeline() as pipe:
+            pipe.hset(self.keys.turns, job_id, dumps(turns))
+            for counter in (self.keys.attempts, self.keys.spared, self.keys.crashes):
+                pipe.hdel(counter, job_id)
+            pipe.execute()
+
     def pardon(self, job_ids: list[str]) -> None:
         """The crash these jobs were in flight at has its culprit: they are suspects no more."""
         if job_ids:
@@ -259,7 +272,7 @@ class Bookkeeper(BaseWorker):
         with self.connection.pipeline() as pipe:
             pipe.xadd(self.keys.results, {"kind": kind, "id": t.spec.id, "data": dumps(data)})
             pipe.hincrby(self.keys.in_stream, t.spec.dataset, 1)
-            for counter in self.keys.job_counters:
+            for counter in self.keys.job_state:
                 pipe.hdel(counter, t.job.id)
             pipe.execute()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -23,13 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import orjson
 import redis
 
-from genq import backends
-from genq.backends import Backend, Http, ServerInfo, ServerRefused
+from genq import backends, conversation
+from genq.backends import Answer, Backend, Http, ServerInfo, ServerRefused
 from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
-from genq.schema import error_record
+from genq.schema import JobSpec, error_record
+from genq.templates import ChatTemplate, TemplateError
 from worker import metrics
 from worker.bookkeeping import Bookkeeper, Taken
 from worker.probation import Probation
@@ -72,11 +75,17 @@ class WorkerConfig:
         return 120.0 + max_new_tokens / 8.0
 
 
+# A conversation's turn being sent: (0-based index, number of turns); None for a single prompt.
+_TurnOf = tuple[int, int] | None
+_RETRY = object()  # a send failed and may be retried
+
+
 @dataclass
 class _Tries:
-    """One job's sends so far, in this worker."""
+    """One job's (or one turn's) sends so far, in this worker."""
 
     started: float
+    attempt: int = 0  # the attempt that answered
     failures: int = 0
     delay: float = 0.0
     last_sent: float = 0.0
@@ -105,6 +114,8 @@ class Worker:
         self._served = 0  # generations the server returned to this worker
         self._life = 0  # the server's restarts seen by this worker (a crash ends a life)
         self._probation = Probation()
+        self._templates: dict[bytes, ChatTemplate] = {}  # chat templates of conversation datasets
+        self._template_lock = asyncio.Lock()
         self._suspects: dict[str, _Tries] = {}  # job id -> its tries, for jobs on probation
 
     def _ctx(self, t: Taken | None = None) -> dict[str, Any]:
@@ -307,25 +318,106 @@ class Worker:
 
     async def _run_job(self, t: Taken) -> None:
         """Send until the job ends: a record, or an error for errors.jsonl."""
+        if t.spec.turns == "all":
+            await self._run_conversation(t)
+            return
         tries = _Tries(started=time.monotonic())
-        while not await self._try_once(t, tries):
-            await self._wait_to_retry(t.spec.dataset, tries.delay)
+        answer = await self._answer(t, t.spec, tries)
+        if answer is not None:
+            await self._succeed(t, self._record(t.spec, answer, tries))
 
-    async def _try_once(self, t: Taken, tries: _Tries) -> bool:
-        """One send (a suspect waits for its turn first); True once the job has ended."""
+    async def _run_conversation(self, t: Taken) -> None:
+        """Every user turn in order, each sent with the model's own earlier answers (decision 14).
+        Finished turns are kept in Redis, so a job whose worker died goes on from its first
+        unfinished turn; each turn has the whole attempt budget."""
+        spec, job_id = t.spec, t.job.id
+        messages = spec.messages or []
+        n = conversation.user_turns(messages)
+        done: list[dict[str, Any]] = await self.redis(self.books.turns_done, job_id)
+        answers = [conversation.answer_message(d["content"], d["reasoning"]) for d in done]
+        template = None
+        if self.backend.sends == "ids":
+            try:
+                template = await self._template(spec)
+            except TemplateError as exc:
+                await self._fail(t, AttemptError("tokenizer", str(exc), cost=Cost.FATAL), 0)
+                return
+        started = time.monotonic()
+        record: dict[str, Any] = {}
+        for k in range(len(done), n):
+            prompt = conversation.turn_prompt(messages, answers, k)
+            ids = None
+            if template is not None:
+                ids = (await asyncio.to_thread(template.render, [prompt]))[0]
+                why = ids if isinstance(ids, str) else None
+                if k == 0 and why is None and spec.input_ids is not None and ids != spec.input_ids:
+                    why = "the worker's chat template renders the first turn differently from enqueue's"
+                if why is not None:
+                    await self._fail(t, AttemptError("bad_request", why, cost=Cost.FATAL), 0, (k, n))
+                    return
+            turn = dataclasses.replace(spec, input_ids=ids, messages=prompt, text=None, turns=None)
+            tries = _Tries(started=time.monotonic())
+            answer = await self._answer(t, turn, tries, (k, n))
+            if answer is None:
+                return
+            record = self._record(turn, answer, tries)
+            done.append({key: record.get(key) for key in conversation.TURN_FIELDS})
+            answers.append(conversation.answer_message(record["content"], record["reasoning"]))
+            if k < n - 1:
+                await self.redis(self.books.save_turns, job_id, done)
+        record.update(conversation.totals(done), latency_s=round(time.monotonic() - started, 4), turns=done)
+        await self._succeed(t, record)
+
+    async def _template(self, spec: JobSpec) -> ChatTemplate:
+        """The dataset's chat template, loaded once per worker (transformers, offline)."""
+        key = orjson.dumps(spec.template, option=orjson.OPT_SORT_KEYS)
+        async with self._template_lock:  # one load at a time: transformers' import is not thread-safe
+            if key not in self._templates:
+                self._templates[key] = await asyncio.to_thread(ChatTemplate.from_spec, spec.template or {})
+        return self._templates[key]
+
+    def _record(self, spec: JobSpec, answer: Answer, tries: _Tries) -> dict[str, Any]:
+        return build_record(
+            spec,
+            answer,
+            attempts=tries.attempt,
+            latency_s=time.monotonic() - tries.started,
+            server=self.config.server,
+            worker=self.books.name,
+            backend=self.backend.name,
+        )
+
+    async def _succeed(self, t: Taken, record: dict[str, Any]) -> None:
+        t.finishing = True
+        await self.redis(self.books.succeed, t, record)
+        metrics.finished(t.spec.dataset, record)
+
+    async def _answer(self, t: Taken, spec: JobSpec, tries: _Tries, turn: _TurnOf = None) -> Answer | None:
+        """Send ``spec`` until an answer comes, or None once the job failed for good."""
+        while True:
+            outcome = await self._try_once(t, spec, tries, turn)
+            if outcome is not _RETRY:
+                return outcome  # type: ignore[return-value]
+            await self._wait_to_retry(spec.dataset, tries.delay)
+
+    async def _try_once(
+        self, t: Taken, spec: JobSpec, tries: _Tries, turn: _TurnOf
+    ) -> Answer | None | object:
+        """One send (a suspect waits for its turn first)."""
         await self._server_up.wait()
         holds_turn = False
         if t.crashes > 0:
             self._suspects[t.job.id] = tries
             holds_turn = await self._probation.turn(t.job.id, t.crashes, tries.last_sent)
         try:
-            return await self._send(t, tries)
+            return await self._send(t, spec, tries, turn)
         finally:
             if holds_turn:
                 self._probation.done()
 
-    async def _send(self, t: Taken, tries: _Tries) -> bool:
-        spec, job_id = t.spec, t.job.id  # job_id: RQ's, namespaced; spec.id: the record's
+    async def _send(self, t: Taken, spec: JobSpec, tries: _Tries, turn: _TurnOf) -> Answer | None | object:
+        """The answer; None when the job failed for good; _RETRY to send again after tries.delay."""
+        job_id = t.job.id  # RQ's, namespaced; spec.id: the record's
         attempt = await self.redis(self.books.attempt, job_id)
         if attempt > self.config.max_attempts:
             why = tries.last or AttemptError(
@@ -333,8 +425,8 @@ class Worker:
                 f"used its {self.config.max_attempts} attempts without an answer "
                 "(the workers running it stopped or died)",
             )
-            await self._fail(t, why, attempt - 1)
-            return True
+            await self._fail(t, why, attempt - 1, turn)
+            return None
         # A fresh rid on every send, and none a prefix of another: SGLang refuses a rid it still
         # holds, and aborts every rid that starts with the one given. Job ids hold no ".", and the
         # random tail has a fixed length.
@@ -353,8 +445,8 @@ class Worker:
                 await self.backend.abort(rid)
             ending = await self._judge(t, tries, exc, attempt, served)
             if ending is not None:
-                await self._fail(t, *ending)
-                return True
+                await self._fail(t, *ending, turn)
+                return None
             tries.failures += 1
             self._retries += 1
             tries.delay = backoff(
@@ -374,23 +466,12 @@ class Worker:
                     "delay_s": round(tries.delay, 1),
                 },
             )
-            return False
+            return _RETRY
         metrics.attempt(time.monotonic() - sent, None)
         self._served += 1
         self._server_failures = 0
-        record = build_record(
-            spec,
-            answer,
-            attempts=attempt,
-            latency_s=time.monotonic() - tries.started,
-            server=self.config.server,
-            worker=self.books.name,
-            backend=self.backend.name,
-        )
-        t.finishing = True
-        await self.redis(self.books.succeed, t, record)
-        metrics.finished(spec.dataset, record)
-        return True
+        tries.attempt = attempt
+        return answer
 
     async def _judge(
         self, t: Taken, tries: _Tries, exc: AttemptError, attempt: int, served: int
@@ -479,13 +560,14 @@ class Worker:
             self._retrying[dataset] -= 1
             await self.redis(self.books.set_retrying, dataset, self._retrying[dataset])
 
-    async def _fail(self, t: Taken, exc: AttemptError, attempts: int) -> None:
+    async def _fail(self, t: Taken, exc: AttemptError, attempts: int, turn: _TurnOf = None) -> None:
+        message = exc.message if turn is None else f"turn {turn[0] + 1} of {turn[1]}: {exc.message}"
         log.warning(
             "job %s (%s): failed for good after %d attempts: %s",
             t.job.id,
             t.spec.dataset,
             attempts,
-            exc,
+            f"{exc.kind}: {message}",
             extra={**self._ctx(t), "attempt": attempts, "error": exc.kind},
         )
         error = error_record(
@@ -495,10 +577,12 @@ class Worker:
             sample=t.spec.sample,
             source_id=t.spec.source_id,
             error=exc.kind,
-            message=exc.message,
+            message=message,
             status=exc.status,
             attempts=attempts,
         )
+        if turn is not None:
+            error["turn"] = turn[0] + 1
         t.finishing = True
         await self.redis(self.books.fail, t, error)
         metrics.finished(t.spec.dataset, None)

@@ -12,6 +12,7 @@ import asyncio
 from genq.backends.base import Answer, AttemptError, Backend, Cost, Http, ServerInfo, ServerRefused
 from genq.backends.llamacpp import LlamaCpp
 from genq.backends.openai_chat import OpenAIChat
+from genq.backends.openai_compat import VLLM_SAMPLING_KEYS
 from genq.backends.sglang import SGLang
 from genq.backends.vllm import VLLM
 
@@ -21,6 +22,7 @@ NAMES = ("auto", *BACKENDS)
 __all__ = [
     "BACKENDS",
     "NAMES",
+    "VLLM_SAMPLING_KEYS",
     "Answer",
     "AttemptError",
     "Backend",

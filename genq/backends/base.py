@@ -196,6 +196,10 @@ class Backend(ABC):
 
     name: ClassVar[str]
     health_path: ClassVar[str] = "/health"
+    # genq's sampling keys (SGLang's names, genq/sampling.py) this engine has an equivalent for.
+    sampling_keys: ClassVar[frozenset[str]]
+    # What a prompt is sent as: "ids" (genq renders conversations) or "messages" (the server does).
+    sends: ClassVar[str] = "ids"
 
     def __init__(self, http: Http, model: str | None = None) -> None:
         self.http = http

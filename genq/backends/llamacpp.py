@@ -60,6 +60,7 @@ KEYS = {
 
 class LlamaCpp(Backend):
     name = "llamacpp"
+    sampling_keys = frozenset({"max_new_tokens", *KEYS})
 
     async def probe(self) -> ServerInfo:
         url = self.http.base_url

@@ -26,7 +26,9 @@ from genq.schema import JobSpec
 
 class OpenAIChat(Backend):
     name = "openai-chat"
+    sampling_keys = oai.CHAT_KEYS  # a vLLM server takes vLLM's too (oai.VLLM_SAMPLING_KEYS)
     health_path = "/v1/models"  # hosted APIs have no /health
+    sends = "messages"
 
     async def probe(self) -> ServerInfo:
         url = self.http.base_url

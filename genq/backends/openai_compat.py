@@ -160,3 +160,7 @@ def finish(choice: dict[str, Any]) -> str:
 
 def refused_probe(url: str, what: str, status: int, raw: bytes) -> ServerRefused:
     return ServerRefused(f"{url} refused a 1-token {what} ({status}): {error_message(raw)}")
+
+
+CHAT_KEYS = frozenset({"max_new_tokens", *OPENAI_KEYS})
+VLLM_SAMPLING_KEYS = frozenset({*CHAT_KEYS, *VLLM_KEYS, *STRUCTURED})

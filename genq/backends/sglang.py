@@ -32,6 +32,7 @@ import contextlib
 import secrets
 from typing import Any
 
+from genq import sampling
 from genq.backends.base import (
     Answer,
     AttemptError,
@@ -52,6 +53,7 @@ PROBE_IDS = [1, 2, 3]
 
 class SGLang(Backend):
     name = "sglang"
+    sampling_keys = frozenset(sampling.KEYS)  # genq's names are SGLang's
 
     # -- probe ------------------------------------------------------------------------------
 

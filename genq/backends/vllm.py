@@ -36,6 +36,7 @@ PROBE_IDS = [1, 2, 3]
 
 class VLLM(Backend):
     name = "vllm"
+    sampling_keys = oai.VLLM_SAMPLING_KEYS
 
     async def probe(self) -> ServerInfo:
         url = self.http.base_url
