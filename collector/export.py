@@ -272,8 +272,6 @@ def export_command(
         )
         click.echo(f"{name}: wrote {result.written} to {result.path}")
         if result.rendered:
-            click.echo(
-                f"{name}: rendered {result.rendered} records with {tokenizer}'s chat template"
-            )
+            click.echo(f"{name}: rendered {result.rendered} records with {tokenizer}'s chat template")
         for reason, n in result.skipped.most_common():
             click.echo(f"{name}: left out {n}: {reason}", err=True)
