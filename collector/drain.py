@@ -29,6 +29,8 @@ from genq import datasets, tokens
 from genq.bitmaps import is_set
 from genq.failures import reason_of
 from genq.keys import Keys
+from genq.logprobs import FILE as LOGPROBS
+from genq.logprobs import frames as logprobs_frames
 from genq.schema import KIND_ERROR, KIND_RECORD, bit_index, error_record, loads, parse_record_id
 
 log = logging.getLogger("genq.collector")
@@ -70,6 +72,7 @@ class Item:
     kind: bytes
     data: dict
     entry_id: bytes | None  # None for errors the collector itself found (failed registry)
+    logprobs: bytes | None = None  # the record's frame for logprobs.bin (genq/logprobs.py)
 
 
 class Collector:
@@ -145,6 +148,42 @@ class Collector:
                     "%s: cut a torn last line (%d bytes) left by a crash", path, cut, extra={"dataset": name}
                 )
             self._reconcile_file(name, kind, path)
+        self._reconcile_logprobs(name)
+
+    def _reconcile_logprobs(self, name: str) -> None:
+        """Keep the frames past the checkpoint whose record is on disk (marked done just above);
+        cut the file from the first one whose record is not: its batch never reached the records
+        file, and its entries will be written again when replayed."""
+        path = self.out / name / LOGPROBS
+        if not path.exists():
+            return
+        field = str(path)
+        offset = int(self.conn.hget(self.keys.collector_offsets, field) or 0)
+        size = path.stat().st_size
+        offset = 0 if offset > size else offset
+        done = self.conn.get(self.keys.done(name)) or b""
+        samples = self._settings[name].samples
+        keep = offset
+        for start, end, record_id, _ in logprobs_frames(path, offset):
+            parsed = parse_record_id(record_id, name, samples)
+            if parsed is None or not is_set(done, bit_index(*parsed, samples)):
+                keep = start
+                break
+            keep = end
+        if keep < size:
+            appender = self._files.pop((name, LOGPROBS), None)
+            if appender is not None:
+                appender.close()
+            with path.open("rb+") as fh:
+                fh.truncate(keep)
+                os.fsync(fh.fileno())
+            log.warning(
+                "%s: cut %d bytes of frames whose records are not on disk (they are replayed)",
+                path,
+                size - keep,
+                extra={"dataset": name},
+            )
+        self.conn.hset(self.keys.collector_offsets, field, keep)
 
     def _reconcile_file(self, name: str, kind: bytes, path: Path) -> None:
         field = str(path)
@@ -212,7 +251,7 @@ class Collector:
 
     @staticmethod
     def _item(entry_id: bytes, fields: dict) -> Item:
-        return Item(kind=fields[b"kind"], data=loads(fields[b"data"]), entry_id=entry_id)
+        return Item(fields[b"kind"], loads(fields[b"data"]), entry_id, fields.get(b"lp"))
 
     def write(self, items: list[Item]) -> int:
         """Append the new ones, fsync, then mark, checkpoint and acknowledge all in one MULTI."""
@@ -244,6 +283,7 @@ class Collector:
                 pipe.getbit(self.keys.failed(name), index)
             bits = pipe.execute()
         seen: set[tuple[str, int]] = set()
+        before = {key: f.synced_size for key, f in self._files.items()}  # where this batch began
         to_mark = []
         new_records: dict[str, list[dict]] = {}
         duplicates = 0
@@ -254,15 +294,20 @@ class Collector:
                     duplicates += 1
                     continue
                 seen.add((name, index))
+                if item.logprobs is not None:  # before its line: a frame without a line is cut at start-up
+                    self._logprobs_file(name).append_bytes(item.logprobs)
                 self._file(name, item.kind).append(item.data)
                 to_mark.append((name, item.kind, index))
                 if item.kind == KIND_RECORD:
                     new_records.setdefault(name, []).append(item.data)
-            offsets = {str(f.path): f.sync() for f in self._files.values()}
+            # Frames first, lines after: a crash between them leaves frames of records not on disk,
+            # which the start-up cuts; never a record whose frame is missing.
+            ordered = sorted(self._files.values(), key=lambda f: f.path.name != LOGPROBS)
+            offsets = {str(f.path): f.sync() for f in ordered}
         except OSError as exc:
-            for f in self._files.values():
+            for key, f in self._files.items():
                 with contextlib.suppress(OSError):
-                    f.roll_back()
+                    f.roll_back(before.get(key, f.opened_size))
             raise WriteFailed(f"writing to {self.out} failed: {exc}") from exc
         self.duplicates += duplicates
         now = tokens.redis_now(self.conn) if new_records else None
@@ -283,6 +328,12 @@ class Collector:
         self.written += len(to_mark)
         metrics.written([(n, k) for n, k, _ in to_mark], new_records, duplicates, time.monotonic() - started)
         return len(to_mark)
+
+    def _logprobs_file(self, name: str) -> Appender:
+        key = (name, LOGPROBS)
+        if key not in self._files:
+            self._files[key] = Appender(self.out / name / LOGPROBS)
+        return self._files[key]
 
     def _file(self, name: str, kind: bytes) -> Appender:
         key = (name, RAW if kind == KIND_RECORD else ERRORS)

@@ -67,10 +67,13 @@ class Appender:
         if new:
             _fsync_dir(path.parent)
         self.dirty = False
-        self.synced_size = self._fh.tell()
+        self.synced_size = self.opened_size = self._fh.tell()
 
     def append(self, obj: dict) -> None:
-        self._fh.write(orjson.dumps(obj) + b"\n")
+        self.append_bytes(orjson.dumps(obj) + b"\n")
+
+    def append_bytes(self, data: bytes) -> None:
+        self._fh.write(data)
         self.dirty = True
 
     def sync(self) -> int:
@@ -82,10 +85,12 @@ class Appender:
             self.synced_size = self._fh.tell()
         return self.synced_size
 
-    def roll_back(self) -> None:
-        """After a failed write: drop what was not synced, so no half line stays behind."""
+    def roll_back(self, size: int | None = None) -> None:
+        """After a failed write: drop what was not synced (or everything past ``size``), so no half
+        line, and no frame of a record that is not on disk, stays behind."""
         with contextlib.suppress(OSError):  # the buffered bytes fail again: they are what we drop
             self._fh.close()
+        self.synced_size = self.synced_size if size is None else min(size, self.synced_size)
         with self.path.open("rb+") as fh:
             fh.truncate(self.synced_size)
         self._fh = self.path.open("ab")

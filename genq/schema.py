@@ -91,6 +91,7 @@ class JobSpec:
     keep_prompt: bool | None = None  # copy input_ids (and messages) into the record
     turns: str | None = None  # "all": a conversation, every user turn answered (genq/conversation.py)
     template: dict[str, Any] | None = None  # the chat template the worker renders later turns with
+    logprobs: int | None = None  # top-K log-probabilities per output token, stored in logprobs.bin
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_kwargs(self) -> dict[str, Any]:

@@ -91,6 +91,13 @@ def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) 
     "model's own earlier answers (all: one job per conversation, rendered turn by turn by the worker).",
 )
 @option(
+    "--logprobs",
+    type=click.IntRange(min=0, max=100),
+    default=None,
+    help="Keep the log-probabilities of every output token and its top K alternatives, in "
+    "OUT/<dataset>/logprobs.bin (backends sglang and vllm).",
+)
+@option(
     "--keep-prompt/--no-keep-prompt", default=True, help="Keep input_ids and the conversation in records."
 )
 @sampling_options
@@ -153,6 +160,7 @@ def enqueue_command(
     chat_template_kwargs,
     system_prompt,
     turns,
+    logprobs,
     keep_prompt,
     sampling: Sampling,
     replace_settings,
@@ -199,6 +207,10 @@ def enqueue_command(
             check_sampling(sampling.params(), accepted, backend)
         except SamplingError as exc:
             raise click.UsageError(str(exc)) from exc
+    if logprobs is not None and backend in backends.BACKENDS and not backends.BACKENDS[backend].logprobs:
+        raise click.UsageError(f"--logprobs: the {backend} backend cannot return them (sglang and vllm can)")
+    if logprobs is not None and turns == "all":
+        raise click.UsageError("--logprobs is not kept for --turns all conversations yet")
     server_renders = backend == "openai-chat"
     if server_renders and tokenizer:
         raise click.UsageError(
@@ -251,6 +263,7 @@ def enqueue_command(
         template=template,
         think=think,
         keep_prompt=keep_prompt,
+        logprobs=logprobs,
         limits=limits,
         clip=clip_max_new_tokens,
         max_queued=max_queued,

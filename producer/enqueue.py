@@ -50,6 +50,7 @@ class Options:
     template: ChatTemplate | None = None
     think: dict[str, Any] | None = None
     keep_prompt: bool = True
+    logprobs: int | None = None  # top-K log-probabilities per output token (genq/logprobs.py)
     limits: Limits = field(default_factory=Limits)
     clip: bool = False
     max_queued: int | None = None
@@ -63,6 +64,7 @@ class Options:
             "system_prompt": shape.system_prompt,
             "backend": "openai-chat" if shape.server_renders else None,
             "turns": "all" if shape.turns == "all" else None,
+            "logprobs": self.logprobs,
             "tokenizer": self.template.name if self.template else None,
             "chat_template": self.template.fingerprint if self.template else None,
             "chat_template_kwargs": (self.template.kwargs or None) if self.template else None,
@@ -269,6 +271,7 @@ class _Pusher:
             think=options.think,
             keep_prompt=options.keep_prompt or None,
             turns="all" if options.shape.turns == "all" else None,
+            logprobs=options.logprobs,
             template=options.template.spec() if options.template and options.shape.turns == "all" else None,
         )
         described = f"{settings.name} row {item.row}" + (f" sample {sample}" if settings.samples > 1 else "")

@@ -213,3 +213,22 @@ def render_chat(messages: Sequence[Mapping[str, Any]]) -> list[int]:
         ids.append(END_OF_TURN_ID)
     ids.append(ROLE_IDS["assistant"])
     return ids
+
+
+def logprobs(output_ids: Sequence[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Made-up but deterministic log-probabilities of an answer: each token's own, and the top ``k``
+    (id, logprob) pairs at its position, best first, the sampled token among them."""
+    token: list[float] = []
+    top: list[list[tuple[int, float]]] = []
+    for pos, chosen in enumerate(output_ids):
+        rng = random.Random(chosen * 1_000_003 + pos)
+        mine = -rng.random() * 2
+        ids: list[int] = []
+        while len(ids) < k - 1:  # distinct alternatives, the sampled token not among them
+            other = rng.randrange(FIRST_WORD_ID, VOCAB_SIZE)
+            if other != chosen and other not in ids:
+                ids.append(other)
+        others = [(i, mine - rng.random() * 3) for i in ids]
+        token.append(mine)
+        top.append(sorted([(chosen, mine), *others], key=lambda pair: -pair[1])[:k] if k else [])
+    return token, top

@@ -89,7 +89,14 @@ async def _answer(
         body["output_ids"] = req.input_ids[-5:] + output_ids
     elif state.quirks.output_ids:
         body["output_ids"] = output_ids
+    meta: dict[str, Any] = {}
+    if req.logprobs is not None:  # return_logprob: [logprob, id, text] per output token
+        token, top = model.logprobs(output_ids, req.logprobs)
+        meta["output_token_logprobs"] = [[lp, i, None] for lp, i in zip(token, output_ids, strict=True)]
+        if req.logprobs:
+            meta["output_top_logprobs"] = [[[lp, i, None] for i, lp in row] for row in top]
     body["meta_info"] = {
+        **meta,
         "id": served.rid,
         "finish_reason": finish,
         "prompt_tokens": len(req.input_ids),

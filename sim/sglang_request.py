@@ -79,6 +79,7 @@ class GenerateRequest:
     input_ids: list[int]
     sampling_params: dict[str, Any]
     requested_max_new_tokens: int | None = None  # before the scheduler's clamp
+    logprobs: int | None = None  # return_logprob: top_logprobs_num (0: only the sampled token's)
 
     @property
     def ids_in_vocab(self) -> bool:
@@ -272,4 +273,5 @@ def parse_generate(
     if max_new_tokens_limit is not None:
         wanted = min(wanted, max_new_tokens_limit)
     params["max_new_tokens"] = max(0, min(wanted, context - 2 - len(input_ids)))
-    return GenerateRequest(rid, input_ids, params, requested)
+    logprobs = int(body.get("top_logprobs_num") or 0) if body.get("return_logprob") else None
+    return GenerateRequest(rid, input_ids, params, requested, logprobs)

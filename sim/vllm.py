@@ -164,6 +164,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if token_ids:
         choice["token_ids"] = output_ids
         choice["prompt_token_ids"] = ids
+    if body.get("logprobs") is not None:  # completion/protocol.py: logprobs: K
+        choice["logprobs"] = _logprobs(
+            output_ids, int(body["logprobs"]), bool(body.get("return_tokens_as_token_ids"))
+        )
     result = {
         "id": f"cmpl-{request_id}",
         "object": "text_completion",
@@ -210,6 +214,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         cached_tokens=state.config.prompt_tokens_details,
     )
     return await deliver(request, state, served, orjson.dumps(result))
+
+
+def _logprobs(output_ids: list[int], k: int, as_ids: bool) -> dict[str, Any]:
+    """The completions logprobs object; tokens named "token_id:N" with return_tokens_as_token_ids."""
+
+    def name(i: int) -> str:
+        return f"token_id:{i}" if as_ids else model.detokenize([i], False)
+
+    token, top = model.logprobs(output_ids, k)
+    return {
+        "text_offset": list(range(len(output_ids))),
+        "token_logprobs": token,
+        "tokens": [name(i) for i in output_ids],
+        "top_logprobs": [{name(i): lp for i, lp in row} for row in top],
+    }
 
 
 def _json(raw: bytes) -> dict[str, Any]:

@@ -247,9 +247,10 @@ class Bookkeeper(BaseWorker):
 
     # -- endings ----------------------------------------------------------------------------
 
-    def succeed(self, t: Taken, record: dict) -> None:
-        """Hand the record to the collector, then let RQ finish the job its own way."""
-        self._hand_over(t, KIND_RECORD, record)
+    def succeed(self, t: Taken, record: dict, logprobs: bytes | None = None) -> None:
+        """Hand the record (and its logprobs frame) to the collector, then let RQ finish the job
+        its own way."""
+        self._hand_over(t, KIND_RECORD, record, logprobs)
         t.job._result = {"tokens": record["completion_tokens"]}
         t.job.ended_at = now()
         self.execution = t.execution
@@ -267,10 +268,13 @@ class Bookkeeper(BaseWorker):
         )
         self._idle_if_empty()
 
-    def _hand_over(self, t: Taken, kind: bytes, data: dict) -> None:
+    def _hand_over(self, t: Taken, kind: bytes, data: dict, logprobs: bytes | None = None) -> None:
         """Add a result to the stream, counted per dataset in the same MULTI."""
+        entry = {"kind": kind, "id": t.spec.id, "data": dumps(data)}
+        if logprobs is not None:
+            entry["lp"] = logprobs
         with self.connection.pipeline() as pipe:
-            pipe.xadd(self.keys.results, {"kind": kind, "id": t.spec.id, "data": dumps(data)})
+            pipe.xadd(self.keys.results, entry)
             pipe.hincrby(self.keys.in_stream, t.spec.dataset, 1)
             for counter in self.keys.job_state:
                 pipe.hdel(counter, t.job.id)

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import orjson
 import redis
 
-from genq import backends, conversation
+from genq import backends, conversation, logprobs
 from genq.backends import Answer, Backend, Http, ServerInfo, ServerRefused
 from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
@@ -318,13 +318,18 @@ class Worker:
 
     async def _run_job(self, t: Taken) -> None:
         """Send until the job ends: a record, or an error for errors.jsonl."""
+        if t.spec.logprobs is not None and not self.backend.logprobs:
+            why = f"the job asks for logprobs, which the {self.backend.name} backend cannot return"
+            await self._fail(t, AttemptError("bad_request", why, cost=Cost.FATAL), 0)
+            return
         if t.spec.turns == "all":
             await self._run_conversation(t)
             return
         tries = _Tries(started=time.monotonic())
         answer = await self._answer(t, t.spec, tries)
         if answer is not None:
-            await self._succeed(t, self._record(t.spec, answer, tries))
+            frame = logprobs.pack(t.spec.id, answer.logprobs) if answer.logprobs is not None else None
+            await self._succeed(t, self._record(t.spec, answer, tries), frame)
 
     async def _run_conversation(self, t: Taken) -> None:
         """Every user turn in order, each sent with the model's own earlier answers (decision 14).
@@ -387,9 +392,9 @@ class Worker:
             backend=self.backend.name,
         )
 
-    async def _succeed(self, t: Taken, record: dict[str, Any]) -> None:
+    async def _succeed(self, t: Taken, record: dict[str, Any], frame: bytes | None = None) -> None:
         t.finishing = True
-        await self.redis(self.books.succeed, t, record)
+        await self.redis(self.books.succeed, t, record, frame)
         metrics.finished(t.spec.dataset, record)
 
     async def _answer(self, t: Taken, spec: JobSpec, tries: _Tries, turn: _TurnOf = None) -> Answer | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from genq.backends import Answer
+from genq.logprobs import FILE as LOGPROBS_FILE
 from genq.schema import SCHEMA_VERSION, JobSpec, now_iso
 from worker.reasoning import split
 
@@ -34,6 +35,12 @@ def build_record(
         extra["finish_length"] = answer.finish_length  # where the server cut max_new_tokens
     if not answer.token_exact:
         extra["token_exact"] = False
+    if answer.logprobs is not None:  # the numbers themselves go to logprobs.bin (genq/logprobs.py)
+        extra["logprobs"] = {
+            "file": LOGPROBS_FILE,
+            "k": answer.logprobs.k,
+            "tokens": len(answer.logprobs.token),
+        }
     return {
         "id": spec.id,
         "dataset": spec.dataset,

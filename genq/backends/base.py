@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import aiohttp
 import orjson
 
+from genq.logprobs import LogProbs
 from genq.schema import JobSpec
 from genq.settings import server_api_key
 
@@ -120,6 +121,7 @@ class Answer:
     reasoning: str | None = None
     content: str | None = None
     prompt_ids: list[int] | None = None  # the prompt as the server rendered it (chat APIs that say)
+    logprobs: LogProbs | None = None  # when the job asked for them (genq/logprobs.py)
 
 
 class Http:
@@ -200,6 +202,8 @@ class Backend(ABC):
     sampling_keys: ClassVar[frozenset[str]]
     # What a prompt is sent as: "ids" (genq renders conversations) or "messages" (the server does).
     sends: ClassVar[str] = "ids"
+    # Returns top-K log-probabilities per output token when a job asks (enqueue --logprobs).
+    logprobs: ClassVar[bool] = False
 
     def __init__(self, http: Http, model: str | None = None) -> None:
         self.http = http

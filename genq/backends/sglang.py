@@ -44,6 +44,7 @@ from genq.backends.base import (
     from_status,
     parse_json,
 )
+from genq.logprobs import LogProbs
 from genq.schema import JobSpec
 
 NAN_MATCHED = "NaN happened"
@@ -54,6 +55,7 @@ PROBE_IDS = [1, 2, 3]
 class SGLang(Backend):
     name = "sglang"
     sampling_keys = frozenset(sampling.KEYS)  # genq's names are SGLang's
+    logprobs = True  # return_logprob + top_logprobs_num (managers/io_struct.py)
 
     # -- probe ------------------------------------------------------------------------------
 
@@ -137,6 +139,9 @@ class SGLang(Backend):
 
     def body(self, spec: JobSpec, rid: str) -> dict[str, Any]:
         body: dict[str, Any] = {"sampling_params": spec.sampling_params, "rid": rid}
+        if spec.logprobs:
+            # Output tokens only (logprob_start_len -1 is the default); no text per token.
+            body.update(return_logprob=True, top_logprobs_num=spec.logprobs)
         if spec.input_ids is not None:
             body["input_ids"] = spec.input_ids
         else:
@@ -201,6 +206,21 @@ def answer(data: Any) -> Answer:
         completion_tokens=meta["completion_tokens"],
         cached_tokens=_int(meta.get("cached_tokens")),
         finish_length=_int(finish.get("length")) if kind == "length" else None,
+        logprobs=_logprobs(meta, len(output_ids)) if "output_token_logprobs" in meta else None,
+    )
+
+
+def _logprobs(meta: dict[str, Any], n: int) -> LogProbs:
+    """tokenizer_manager.py: output_token_logprobs = [[logprob, id, text], ...] and
+    output_top_logprobs = [[[logprob, id, text] × K], ...], one entry per output token."""
+    token, top = meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or []
+    if len(token) != n or (top and len(top) != n):
+        raise AttemptError("bad_response", f"{len(token)} logprobs for {n} output tokens")
+    rows = top or [[] for _ in token]
+    return LogProbs(
+        [float(t[0]) for t in token],
+        [[int(x[1]) for x in row] for row in rows],
+        [[float(x[0]) for x in row] for row in rows],
     )
 
 

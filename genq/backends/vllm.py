@@ -29,6 +29,7 @@ from typing import Any
 
 from genq.backends import openai_compat as oai
 from genq.backends.base import Answer, AttemptError, Backend, Cost, ServerInfo, ServerRefused, parse_json
+from genq.logprobs import LogProbs
 from genq.schema import JobSpec
 
 PROBE_IDS = [1, 2, 3]
@@ -37,6 +38,7 @@ PROBE_IDS = [1, 2, 3]
 class VLLM(Backend):
     name = "vllm"
     sampling_keys = oai.VLLM_SAMPLING_KEYS
+    logprobs = True  # logprobs: K, ids as "token_id:N" with return_tokens_as_token_ids
 
     async def probe(self) -> ServerInfo:
         url = self.http.base_url
@@ -89,6 +91,7 @@ class VLLM(Backend):
             "n": 1,
             "stream": False,
             "return_token_ids": True,
+            **({"logprobs": spec.logprobs, "return_tokens_as_token_ids": True} if spec.logprobs else {}),
         }
 
     async def generate(self, spec: JobSpec, rid: str, timeout: float) -> Answer:
@@ -128,4 +131,19 @@ def answer(data: Any, spec: JobSpec) -> Answer:
         completion_tokens=completion_tokens,
         cached_tokens=cached,
         finish_length=cut if cut is not None else (asked if reason == "length" else None),
+        logprobs=_logprobs(choice.get("logprobs"), output_ids, spec.logprobs) if spec.logprobs else None,
+    )
+
+
+def _logprobs(data: Any, output_ids: list[int], k: int) -> LogProbs:
+    """choices[0].logprobs: token_logprobs per output token, top_logprobs as {"token_id:N": logprob}
+    (the sampled token may be among them or beside them: the K best are kept)."""
+    if not isinstance(data, dict) or len(data.get("token_logprobs") or []) != len(output_ids):
+        raise AttemptError("bad_response", "response has no logprobs for every output token")
+    rows = data.get("top_logprobs") or [{} for _ in output_ids]
+    top = [sorted(((v, int(t.rsplit(":", 1)[1])) for t, v in row.items()), reverse=True)[:k] for row in rows]
+    return LogProbs(
+        [float(x) for x in data["token_logprobs"]],
+        [[i for _, i in row] for row in top],
+        [[float(v) for v, _ in row] for row in top],
     )

@@ -1,0 +1,77 @@
+"""Log-probabilities for distillation: a compact binary file beside the records, one frame per
+record, under the same fsync-then-acknowledge rule and the same crash recovery."""
+
+from __future__ import annotations
+
+import pytest
+
+from genq.logprobs import FILE, LogProbs, frames, pack, valid_end
+from sim.model import logprobs as sim_logprobs
+from tests.helpers import check_records, log_of, read_jsonl, sigkill, status_json, wait_until, write_prompts
+
+K = 5
+
+
+def check_frames(out, dataset: str, records: list[dict]) -> int:
+    """One frame per record, its numbers the server's; returns the file's size."""
+    path = out / dataset / FILE
+    found = {record_id: lp for _, _, record_id, lp in frames(path)}
+    assert len(found) == sum(1 for _ in frames(path)), "a record has two frames"
+    assert set(found) == {r["id"] for r in records}
+    assert valid_end(path) == path.stat().st_size, "no torn or stray bytes"
+    for r in records:
+        token, top = sim_logprobs(r["output_ids"], K)
+        lp = found[r["id"]]
+        assert r["logprobs"] == {"file": FILE, "k": K, "tokens": len(r["output_ids"])}
+        assert lp.token == pytest.approx(token, abs=1e-6)
+        assert lp.top_ids == [[i for i, _ in row] for row in top]
+        flat = [x for row in lp.top for x in row]
+        assert flat == pytest.approx([x for row in top for _, x in row], rel=1e-3, abs=1e-3), "float16"
+    return path.stat().st_size
+
+
+@pytest.mark.parametrize("api", ["sglang", "vllm"])
+def test_logprobs_land_beside_the_records(procs, start_sim, out, tmp_path, api, report):
+    url = start_sim("--api", api)
+    data = tmp_path / "lp.jsonl"
+    prompts = write_prompts(data, 200)
+    assert procs.run("enqueue", data, "--max-new-tokens", "100", "--logprobs", str(K)).returncode == 0
+    worker = procs.start("worker", "--server", url, "--burst")
+    assert worker.wait(120) == 0, log_of(worker)
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    records = check_records(out, "lp", prompts, {"max_new_tokens": 100})
+    size = check_frames(out, "lp", records)
+    tokens = sum(len(r["output_ids"]) for r in records)
+    report(f"logprobs ({api}, top {K}): {size / tokens:.1f} bytes per output token in {FILE}")
+    assert size / tokens < 4 + 6 * K + 2, "4 + 6K bytes per token, plus a small frame header"
+
+
+def test_collector_kills_leave_one_frame_per_record(procs, start_sim, out, tmp_path):
+    url = start_sim()
+    data = tmp_path / "kills.jsonl"
+    prompts = write_prompts(data, 600)
+    assert procs.run("enqueue", data, "--max-new-tokens", "100", "--logprobs", str(K)).returncode == 0
+    assert procs.run("worker", "--server", url, "--burst").returncode == 0
+    raw = out / "kills" / "raw_responses.jsonl"
+    for _ in range(3):
+        collector = procs.start("collect", "--out", out, "--batch", "40")
+        size = raw.stat().st_size if raw.exists() else 0
+        wait_until(lambda s=size: raw.exists() and raw.stat().st_size > s, 30, "more lines")
+        sigkill(collector)
+    # A crash between a batch's frames and its lines leaves frames of records not on disk.
+    with (out / "kills" / FILE).open("ab") as fh:
+        fh.write(pack("kills-99999", LogProbs([-0.5], [[1] * K], [[-0.5] * K])))
+        fh.write(b"GQLP\x01torn")
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    records = check_records(out, "kills", prompts, {"max_new_tokens": 100})
+    check_frames(out, "kills", records)
+    assert status_json(procs)["datasets"]["kills"]["done"] == 600
+
+
+def test_a_backend_without_logprobs_is_refused_at_enqueue(procs, start_sim, tmp_path):
+    url = start_sim("--api", "openai-chat")
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"prompt": "hello"}\n')
+    res = procs.run("enqueue", data, "--server", url, "--logprobs", "3")
+    assert res.returncode == 2 and "the openai-chat backend cannot return them" in res.stderr
+    assert not read_jsonl(tmp_path / "none.jsonl")
