@@ -40,6 +40,13 @@ LEASE_TTL_S = 15
 
 
 _DELETE_IF = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# 1: renewed; 2: it was gone (Redis forgot it) and is ours again; 0: another collector holds it.
+_RENEW = """
+local holder = redis.call('get', KEYS[1])
+if holder == ARGV[1] then redis.call('expire', KEYS[1], ARGV[2]) return 1 end
+if not holder then redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2]) return 2 end
+return 0
+"""
 
 
 class LeaseHeld(Exception):
@@ -109,15 +116,22 @@ class Collector:
         self._lease_renewed = time.monotonic()
 
     def renew_lease(self) -> None:
+        """Keep the lease; take it again if Redis lost it (a failover or a restart from an older
+        snapshot forgets recent writes), but never from another collector that holds it."""
         if time.monotonic() - self._lease_renewed < LEASE_TTL_S / 3:
             return
-        script = (
-            "if redis.call('get', KEYS[1]) == ARGV[1] then "
-            "return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
-        )
-        if not self.conn.eval(script, 1, self.keys.collector_lease, self.lease_id, LEASE_TTL_S):
+        renewed = self.conn.eval(_RENEW, 1, self.keys.collector_lease, self.lease_id, LEASE_TTL_S)
+        if not renewed:
             raise LeaseHeld(f"lost the collector lease of namespace {self.keys.namespace!r}")
         self._lease_renewed = time.monotonic()
+        if renewed == 2:
+            log.warning(
+                "Redis had lost this collector's lease (a failover?): took it again; re-reading the files"
+            )
+            self.close()
+            self._files = {}
+            self.reconcile()
+            self.conn.set(self.keys.collector_ready, self.lease_id)
 
     def release_lease(self) -> None:
         self.conn.delete(self.keys.collector_ready)

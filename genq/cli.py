@@ -21,6 +21,7 @@ from genq.keys import Keys
 from genq.run import run_command
 from genq.settings import connect, option, redact, redis_options
 from genq.status import status
+from genq.verify import verify_command
 from producer.cli import enqueue_command
 from sim.cli import sim_server
 from worker.cli import worker_command
@@ -141,4 +142,5 @@ main.add_command(export_command)
 main.add_command(stats_command)
 main.add_command(dashboard_command)
 main.add_command(run_command)
+main.add_command(verify_command)
 main.add_command(sim_server, "sim-server")

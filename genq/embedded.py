@@ -44,9 +44,10 @@ def free_port() -> int:
 class EmbeddedRedis:
     """redis-server on 127.0.0.1 with AOF (fsync every second) in ``folder``; stopped on exit."""
 
-    def __init__(self, folder: Path, port: int | None = None):
+    def __init__(self, folder: Path, port: int | None = None, extra: tuple[str, ...] = ()):
         self.folder = folder.resolve()  # redis-server chdirs to --dir before opening --logfile
         self.port = port or free_port()
+        self.extra = extra  # more redis-server arguments (later ones win), e.g. --replicaof
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -103,6 +104,7 @@ class EmbeddedRedis:
             str(self.folder / "redis.log"),
             "--pidfile",
             str(self.pidfile),
+            *self.extra,
         ]
         # SIGTERM when its parent dies, even by SIGKILL: redis-server then syncs its AOF and exits.
         self.proc = spawn(

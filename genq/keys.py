@@ -7,9 +7,12 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``in_stream``              hash   dataset -> entries in ``results`` (moves with the stream, in one MULTI)
 - ``in_source``              hash   dataset -> jobs not enqueued yet, still in its files (``enqueue
                                     --max-queued``; gone once the enqueue has read every row)
+- ``enqueuing:<name>``       string an enqueue of the dataset is running (TTL 60 s, refreshed as it pushes)
 - ``ds:<name>:enqueued``     bitmap one bit per job ever enqueued (index = row * samples + sample)
 - ``ds:<name>:done``         bitmap jobs whose record is on disk (set only after fsync)
 - ``ds:<name>:failed``       bitmap jobs whose error is on disk
+- ``ds:<name>:rejected``     bitmap jobs whose row enqueue refused (bad input, too long): `genq verify`
+                                    tells them from rows never enqueued
 - ``ds:<name>:tokens``       hash   records, prompt_tokens, completion_tokens of the records on disk (set
                                     in the MULTI that marks them done), live_tokens, first_at, last_at
 - ``ds:<name>:rate:<n>``     string completion tokens written to disk in the n-th 10 s bucket (expires in 1 h)
@@ -121,6 +124,12 @@ class Keys:
 
     def failed(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:failed"
+
+    def enqueuing(self, dataset: str) -> str:
+        return f"{self.prefix}enqueuing:{dataset}"
+
+    def rejected(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:rejected"
 
     def tokens(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:tokens"

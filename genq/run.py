@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from genq import status as status_mod
+from genq import verify
 from genq.backends import NAMES
 from genq.embedded import EmbeddedRedis
 from genq.keys import Keys, validate_name
@@ -196,6 +197,12 @@ def run_command(
         counts = status_mod.dataset_counts(conn, keys)
         for name, c in counts.items():
             click.echo(f"{name}: {c['done']} done, {c['failed']} failed of {c['total']} -> {out / name}")
+        # The audit: every job of every dataset exactly once, on disk (genq verify).
+        audits = [verify.audit(conn, keys, out, name, paths) for name, paths in groups]
+        for result in audits:
+            verify.print_audit(result)
+        if not all(r.ok for r in audits):
+            raise click.ClickException("verify found jobs missing or duplicated (see above)")
     except Interrupted:
         click.echo("\ngenq run: interrupted; run the same command again to resume", err=True)
         for proc in reversed(children):

@@ -49,7 +49,8 @@ def redis_options(func: Callable) -> Callable:
         "redis_url",
         env="GENQ_REDIS_URL",
         default=DEFAULT_REDIS_URL,
-        help="Redis URL (redis://, rediss:// or unix://). The password comes from "
+        help="Redis URL (redis://, rediss://, unix://, or redis+sentinel://host:port,.../master/db). "
+        "The password comes from "
         "GENQ_REDIS_PASSWORD or GENQ_REDIS_PASSWORD_FILE, never from the command line; for "
         "rediss://, the CA from GENQ_REDIS_CA_FILE (client certificate: GENQ_REDIS_CERT_FILE/_KEY_FILE).",
     )(func)
@@ -92,6 +93,10 @@ REDIS_ENV = {
     "GENQ_REDIS_CA_FILE": "rediss:// only: CA bundle that signed the server's certificate",
     "GENQ_REDIS_CERT_FILE": "rediss:// only: client certificate, when Redis asks for one",
     "GENQ_REDIS_KEY_FILE": "rediss:// only: the client certificate's key",
+    "GENQ_REDIS_SENTINELS": "Redis Sentinels host:port[,host:port...] (or a redis+sentinel:// URL)",
+    "GENQ_REDIS_MASTER": "with GENQ_REDIS_SENTINELS: the name of the master the Sentinels watch",
+    "GENQ_REDIS_SENTINEL_PASSWORD": "the Sentinels' own password, if they have one (prefer the _FILE)",
+    "GENQ_REDIS_SENTINEL_PASSWORD_FILE": "file holding it; wins over GENQ_REDIS_SENTINEL_PASSWORD",
 }
 # Read by the worker and `enqueue --server` (the inference server's --api-key).
 SERVER_ENV = {
@@ -110,20 +115,77 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
 
     ``rediss://`` is TLS; the CA and a client certificate come from GENQ_REDIS_CA_FILE,
     GENQ_REDIS_CERT_FILE and GENQ_REDIS_KEY_FILE (``?ssl_cert_reqs=none`` skips verification).
+    ``redis+sentinel://host:port[,host:port...]/<master>/<db>`` (``rediss+sentinel://`` for TLS), or
+    GENQ_REDIS_SENTINELS + GENQ_REDIS_MASTER beside a plain URL, connects through Redis Sentinel:
+    every new connection asks the Sentinels for the current primary, so a failover is followed
+    without a restart (a connection still open to a demoted primary fails and reconnects).
     """
     parts = urlsplit(url)
     if parts.password is None and "password" not in kwargs:
         password = redis_password()
         if password:
             kwargs["password"] = password
-    if parts.scheme == "rediss":
+    if parts.scheme.startswith("rediss"):
+        kwargs.setdefault("ssl", True)
         for key, env in _TLS_ENV.items():
             if os.environ.get(env):
                 kwargs.setdefault(key, os.environ[env])
     kwargs.setdefault("socket_connect_timeout", 10)
     kwargs.setdefault("socket_keepalive", True)
     kwargs.setdefault("health_check_interval", 30)
+    target = sentinel_target(url)
+    if target is not None:
+        return _through_sentinel(*target, parts, kwargs)
+    kwargs.pop("ssl", None)
     return redis.Redis.from_url(url, **kwargs)
+
+
+def sentinel_target(url: str) -> tuple[list[tuple[str, int]], str, int] | None:
+    """(sentinels, master name, db) when ``url`` (or the environment) asks for Sentinel."""
+    parts = urlsplit(url)
+    if parts.scheme.endswith("+sentinel"):
+        hosts = parts.netloc.rpartition("@")[2]
+        path = [p for p in parts.path.split("/") if p]
+        if not path:
+            raise ValueError(f"{redact(url)}: name the master: redis+sentinel://host:port/<master>/<db>")
+        db = int(path[1]) if len(path) > 1 else 0
+        return _hostports(hosts, url), path[0], db
+    sentinels = os.environ.get("GENQ_REDIS_SENTINELS")
+    if not sentinels:
+        return None
+    master = os.environ.get("GENQ_REDIS_MASTER")
+    if not master:
+        raise ValueError("GENQ_REDIS_SENTINELS is set: GENQ_REDIS_MASTER must name the master")
+    path = [p for p in parts.path.split("/") if p]
+    return _hostports(sentinels, "GENQ_REDIS_SENTINELS"), master, int(path[0]) if path else 0
+
+
+def _hostports(text: str, where: str) -> list[tuple[str, int]]:
+    out = []
+    for item in text.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{where}: expected host:port[,host:port...], got {item!r}")
+        out.append((host.strip("[]"), int(port)))
+    return out
+
+
+def _through_sentinel(
+    sentinels: list[tuple[str, int]], master: str, db: int, parts: Any, kwargs: dict[str, Any]
+) -> redis.Redis:
+    from redis.sentinel import Sentinel
+
+    if parts.password:  # a password in the URL is the master's, as in a plain URL
+        kwargs.setdefault("password", parts.password)
+    sentinel_kwargs = {
+        "socket_connect_timeout": kwargs["socket_connect_timeout"],
+        "socket_timeout": 10,
+        "password": secret("REDIS_SENTINEL_PASSWORD"),
+    }
+    for key in ("ssl", *_TLS_ENV):
+        if key in kwargs:
+            sentinel_kwargs[key] = kwargs[key]
+    return Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs).master_for(master, db=db)
 
 
 def redact(url: str) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import redis
 
 from genq import backends, datasets
 from genq.keys import Keys, validate_name
@@ -286,6 +287,11 @@ def enqueue_command(
         raise click.ClickException(str(exc)) from exc
     except sources.SourceError as exc:  # the count pass of --max-queued met a broken file
         raise click.ClickException(str(exc)) from exc
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise click.ClickException(
+            f"Redis went away ({exc}): each batch is one MULTI, so nothing is half-enqueued; run the same "
+            "command again (it skips what is already queued or done)"
+        ) from exc
     if register_only:
         click.echo(f"{name}: settings recorded")
         return

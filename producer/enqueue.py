@@ -12,6 +12,8 @@ that many waiting jobs whatever the dataset's size.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -123,6 +125,7 @@ def enqueue_rows(
             if isinstance(item, Rejected):
                 summary.rejected += 1
                 report(f"rejected {item}")
+                pusher.reject(item.row)
                 continue
             if item.max_new_tokens is not None:
                 summary.clipped += 1
@@ -132,8 +135,10 @@ def enqueue_rows(
     except SourceError as exc:
         summary.fatal = str(exc)
     summary.enqueued += pusher.flush()
+    pusher.flush_rejected()
     if summary.fatal is None:
         conn.hdel(keys.in_source, settings.name)  # every row read: the bitmap holds the full total
+    conn.delete(keys.enqueuing(settings.name))
     return summary
 
 
@@ -205,6 +210,11 @@ def _render_held(
         yield item, todo
 
 
+# Says an enqueue is running (`genq verify` then counts rows still in the files as on their way).
+ALIVE = f"{socket.gethostname()}:{os.getpid()}"
+ALIVE_TTL_S = 60
+
+
 class _Pusher:
     """Builds job payloads and pushes them in MULTI batches, waiting for room with ``max_queued``."""
 
@@ -221,6 +231,23 @@ class _Pusher:
         self.size = BATCH if options.max_queued is None else max(1, min(BATCH, options.max_queued // 2))
         self.expected_jobs = expected_rows * settings.samples if expected_rows is not None else None
         self.batch: list[tuple[int, Any]] = []
+        self.rejected: list[int] = []
+
+    def reject(self, row: int) -> None:
+        """Remember a row refused here, so `genq verify` tells it from a row never enqueued."""
+        samples = self.settings.samples
+        self.rejected.extend(bit_index(row, k, samples) for k in range(samples))
+        if len(self.rejected) >= self.size:
+            self.flush_rejected()
+
+    def flush_rejected(self) -> None:
+        if not self.rejected:
+            return
+        with self.conn.pipeline(transaction=False) as pipe:
+            for index in self.rejected:
+                pipe.setbit(self.keys.rejected(self.settings.name), index, 1)
+            pipe.execute()
+        self.rejected = []
 
     def add(self, item: Row, sample: int) -> int:
         """Queue one job for the next push; returns how many jobs were pushed now."""
@@ -232,11 +259,13 @@ class _Pusher:
         if not self.batch:
             return 0
         batch, self.batch = self.batch, []
+        name = self.settings.name
         if self.options.max_queued is not None:
             while self.conn.llen(self.queue.key) + len(batch) > self.options.max_queued:
+                self.conn.set(self.keys.enqueuing(name), ALIVE, ex=ALIVE_TTL_S)
                 time.sleep(POLL_S)
-        name = self.settings.name
         with self.conn.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.enqueuing(name), ALIVE, ex=ALIVE_TTL_S)
             self.queue.enqueue_many([data for _, data in batch], pipeline=pipe)
             for index, _ in batch:
                 pipe.setbit(self.keys.enqueued(name), index, 1)

@@ -148,8 +148,8 @@ def check_records(
     return records
 
 
-def status_json(procs: Procs) -> dict:
-    res = procs.run("status", "--json", timeout=60)
+def status_json(procs: Procs, env: dict[str, str] | None = None) -> dict:
+    res = procs.run("status", "--json", timeout=60, env=env)
     assert res.returncode == 0, res.stderr
     return orjson.loads(res.stdout)
 

@@ -178,15 +178,9 @@ def test_redis_restart_every_role_carries_on(procs, start_sim, out, tmp_path):
         assert collector.wait(120) == 0, log_of(collector)
         assert "Redis unreachable" in log_of(worker) + log_of(collector)
         check_records(out, "restart", prompts, PARAMS)
-        assert_adds_up(status_json_env(procs, env))
+        assert_adds_up(status_json(procs, env))
     finally:
         server.stop()
-
-
-def status_json_env(procs, env: dict) -> dict:
-    res = procs.run("status", "--json", env=env)
-    assert res.returncode == 0, res.stderr
-    return orjson.loads(res.stdout)
 
 
 def test_collector_on_a_full_disk_acknowledges_nothing_and_exits_nonzero(procs, start_sim, out, tmp_path):

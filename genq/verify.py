@@ -1,0 +1,264 @@
+"""`genq verify`: the audit of DESIGN.md's first invariant, on Redis and the files on disk.
+
+Every job a dataset should have (every row of its source files × samples, or, without files,
+every job its ``enqueued`` bitmap names) must be exactly one of: queued, in flight, retrying, in
+raw_responses.jsonl, or in errors.jsonl. Redis can go back in time (an older snapshot, AOF
+``everysec`` after an OS crash, a replica promoted before it had the last writes); genq recovers
+from any earlier state, and this says whether it has: what is missing (with the command that
+puts it back), what is on disk twice. Fast on 10M jobs: a few bitmaps of one bit per job, one
+pass over each file, and the queues read in bulk — never a round trip per job.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+import redis
+from rq import Queue
+
+from collector.files import ERRORS, RAW
+from genq import datasets
+from genq.keys import Keys
+from genq.schema import bit_index, parse_record_id
+from genq.settings import connect, option, redis_options
+from producer import sources
+
+ID_AT_START = re.compile(rb'^\{"id":"([^"]+)"')  # genq writes the id first: no JSON parse needed
+EXAMPLES = 10
+
+
+class Bits:
+    """A growable bitmap of job indexes."""
+
+    def __init__(self, data: bytes = b"") -> None:
+        self.data = bytearray(data)
+
+    def set(self, index: int) -> bool:
+        """Set the bit; True if it was set already."""
+        byte, bit = divmod(index, 8)
+        if byte >= len(self.data):
+            self.data.extend(bytes(byte + 1 - len(self.data)))
+        mask = 0x80 >> bit  # Redis's bit order: the first bit is the highest of byte 0
+        was = bool(self.data[byte] & mask)
+        self.data[byte] |= mask
+        return was
+
+    def count(self) -> int:
+        return int.from_bytes(self.data, "big").bit_count()
+
+
+@dataclass
+class Audit:
+    """One dataset's verdict."""
+
+    dataset: str
+    expected: int
+    states: dict[str, int] = field(default_factory=dict)
+    rejected: int = 0
+    in_source: int = 0  # rows enqueue --max-queued has not read yet (still in their files)
+    missing: list[str] = field(default_factory=list)
+    duplicated: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+    command: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.duplicated and not self.unreadable
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dataset": self.dataset,
+            "expected": self.expected,
+            **self.states,
+            "rejected_at_enqueue": self.rejected,
+            "still_in_source": self.in_source,
+            "missing": len(self.missing),
+            "missing_examples": self.missing[:EXAMPLES],
+            "duplicated": len(self.duplicated),
+            "duplicated_examples": self.duplicated[:EXAMPLES],
+            "unreadable_lines": self.unreadable[:EXAMPLES],
+            "put_back": self.command if self.missing else None,
+            "ok": self.ok,
+        }
+
+
+def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path] | None = None) -> Audit:
+    settings = datasets.load_all(conn, keys).get(name)
+    if settings is None:
+        raise click.ClickException(f"no dataset {name!r} in namespace {keys.namespace!r}")
+    samples = settings.samples
+    queue = Queue(keys.queue_name(name), connection=conn, serializer="json")
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.get(keys.enqueued(name))
+        pipe.get(keys.rejected(name))
+        pipe.hget(keys.in_source, name)
+        pipe.exists(keys.enqueuing(name))
+        pipe.lrange(queue.key, 0, -1)
+        pipe.lrange(queue.intermediate_queue_key, 0, -1)
+        pipe.zrange(queue.started_job_registry.key, 0, -1)
+        pipe.zrange(queue.scheduled_job_registry.key, 0, -1)
+        enqueued, rejected, in_source, enqueuing, queued, moving, started, scheduled = pipe.execute()
+    if files:
+        rows = sum(sources.count(path) for path in files)
+        expected_n = rows * samples
+    # Rows still in the files count as on their way only while an enqueue is running: after Redis
+    # went back in time, in_source may describe an enqueue that is long gone.
+    result = Audit(name, 0, in_source=int(in_source or 0) if enqueuing else 0)
+
+    def index_of(record_id: str) -> int | None:
+        parsed = parse_record_id(record_id, name, samples)
+        return bit_index(*parsed, samples) if parsed else None
+
+    def rq_index(job_id: bytes) -> int | None:  # queue lists hold job ids, registries job_id:execution
+        return index_of(keys.record_id(job_id.decode().split(":")[0]) or "")
+
+    states: dict[str, Bits] = {
+        name_: Bits() for name_ in ("queued", "in_flight", "retrying", "done", "failed")
+    }
+    for state, indexes in (
+        ("queued", map(rq_index, [*queued, *moving])),
+        ("in_flight", [*map(rq_index, started), *map(index_of, _stream_ids(conn, keys, name))]),
+        ("retrying", map(rq_index, scheduled)),
+    ):
+        for index in indexes:
+            if index is not None:
+                states[state].set(index)
+    for state, filename in (("done", RAW), ("failed", ERRORS)):
+        path = out / name / filename
+        for line_no, record_id in _ids(path):
+            index = index_of(record_id) if record_id is not None else None
+            if index is None:
+                result.unreadable.append(f"{path}:{line_no}")
+            elif states[state].set(index) and state == "done":
+                result.duplicated.append(record_id)  # type: ignore[arg-type]
+    # Set arithmetic on whole bitmaps as integers: fast on millions of jobs.
+    size = max(len(enqueued or b""), len(rejected or b""), *(len(b.data) for b in states.values()))
+    if files:
+        size = max(size, (expected_n + 7) // 8)
+        expected = ((1 << expected_n) - 1) << (size * 8 - expected_n)
+    else:
+        expected = _int(enqueued or b"", size)
+    refused = _int(rejected or b"", size)
+    accounted = refused
+    for bits in states.values():
+        accounted |= _int(bytes(bits.data), size)
+    result.expected = expected.bit_count()
+    result.states = {k: v.count() for k, v in states.items()}
+    result.rejected = (expected & refused).bit_count()
+    missing = expected & ~accounted
+    result.missing = [
+        f"{name}-{row}-{sample}" if samples > 1 else f"{name}-{row}"
+        for row, sample in (divmod(i, samples) for i in _set_bits(missing, size))
+    ]
+    if result.in_source and len(result.missing) <= result.in_source:
+        result.missing = []  # enqueue --max-queued is still feeding them in
+    given = " ".join(map(str, files)) if files else " ".join(settings.sources) or "<its files>"
+    result.command = f"genq enqueue {given} --dataset {name}"
+    return result
+
+
+def _int(data: bytes, size: int) -> int:
+    """A Redis bitmap as an integer of ``size`` bytes (bit 0 of the bitmap is its highest bit)."""
+    return int.from_bytes(data.ljust(size, b"\0"), "big")
+
+
+def _set_bits(value: int, size: int) -> list[int]:
+    """The bitmap indexes of the bits set in ``value`` (usually few: only the nonzero bytes are read)."""
+    data = value.to_bytes(size, "big")
+    out: list[int] = []
+    pos = size - len(data.lstrip(b"\0"))
+    while pos < size:
+        if data[pos]:
+            out.extend(pos * 8 + b for b in range(8) if data[pos] & (0x80 >> b))
+        pos += 1
+    return out
+
+
+def _stream_ids(conn: redis.Redis, keys: Keys, name: str) -> list[str]:
+    """Record ids of this dataset's results still in the stream (at most --stream-limit of them)."""
+    out = []
+    for _, fields in conn.xrange(keys.results):
+        data = orjson.loads(fields[b"data"])
+        if data.get("dataset") == name:
+            out.append(fields[b"id"].decode())
+    return out
+
+
+def _ids(path: Path):
+    """(line number, record id) of each line; the id is read off the line's start when genq wrote
+    it, parsed otherwise; None for a line without one."""
+    if not path.exists():
+        return
+    with path.open("rb") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            match = ID_AT_START.match(line)
+            if match:
+                yield line_no, match.group(1).decode()
+                continue
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                yield line_no, None
+                continue
+            yield line_no, obj.get("id") if isinstance(obj, dict) and isinstance(obj.get("id"), str) else None
+
+
+def print_audit(result: Audit) -> None:
+    states = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in result.states.items())
+    click.echo(
+        f"{result.dataset}: {result.expected:,} expected: {states}; rejected at enqueue {result.rejected:,}"
+    )
+    if result.in_source:
+        click.echo(
+            f"{result.dataset}: {result.in_source:,} still in its files (enqueue --max-queued is running)"
+        )
+    if result.missing:
+        shown = ", ".join(result.missing[:EXAMPLES])
+        click.echo(f"{result.dataset}: MISSING {len(result.missing):,} (e.g. {shown})", err=True)
+        click.echo(f"{result.dataset}: put them back with: {result.command}", err=True)
+    if result.duplicated:
+        shown = ", ".join(result.duplicated[:EXAMPLES])
+        click.echo(f"{result.dataset}: DUPLICATED {len(result.duplicated):,} lines (e.g. {shown})", err=True)
+    for where in result.unreadable[:EXAMPLES]:
+        click.echo(f"{where}: a line without a record id of this dataset", err=True)
+    click.echo(f"{result.dataset}: {'OK' if result.ok else 'NOT OK'}")
+
+
+@click.command("verify")
+@click.argument("files", nargs=-1)
+@option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="The output folder.")
+@option("--dataset", default=None, help="The dataset (default: FILES' first stem, or every dataset).")
+@option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@redis_options
+def verify_command(
+    files: tuple[str, ...], out: Path, dataset: str | None, as_json: bool, redis_url: str, namespace: str
+) -> None:
+    """Check that every job of a dataset is exactly one of queued, in flight, retrying, in
+    raw_responses.jsonl or in errors.jsonl: every row of FILES (× samples), or without FILES every
+    job Redis knows was enqueued. Prints what is missing (and the command that puts it back) and
+    what is on disk twice; exits 1 when anything is."""
+    conn = connect(redis_url)
+    keys = Keys(namespace)
+    try:
+        paths = sources.expand(list(files)) if files else None
+    except sources.SourceError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if paths:
+        names = [dataset or Path(files[0]).stem]
+    else:
+        names = [dataset] if dataset else sorted(datasets.load_all(conn, keys))
+    results = [audit(conn, keys, out, name, paths) for name in names]
+    if as_json:
+        click.echo(orjson.dumps([r.as_dict() for r in results], option=orjson.OPT_INDENT_2).decode())
+    else:
+        for result in results:
+            print_audit(result)
+    if not all(r.ok for r in results):
+        raise SystemExit(1)
