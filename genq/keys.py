@@ -25,6 +25,7 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``turns``                  hash   job id -> the finished turns of a conversation job (JSON), so another
                                     worker goes on from the first unfinished one
 - ``maintenance``            string short lock so one worker at a time reaps abandoned jobs
+- ``stranded:<queue>``       hash   job id -> when the reaper first saw it stranded in RQ's intermediate list
 - ``worker:<name>:retrying`` hash   dataset -> this worker's jobs waiting between attempts (TTL: the
                                     heartbeat TTL, refreshed every 2 s: a dead worker's lapses with its jobs)
 
@@ -111,6 +112,9 @@ class Keys:
     @property
     def collector_ready(self) -> str:
         return self.prefix + "collector:ready"
+
+    def stranded(self, queue_name: str) -> str:
+        return f"{self.prefix}stranded:{queue_name}"
 
     @property
     def maintenance_lock(self) -> str:

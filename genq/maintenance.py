@@ -11,14 +11,17 @@ import time
 
 import redis
 from rq import Queue, worker_registration
+from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
 from genq import datasets
 from genq.keys import Keys
 
-# An id in RQ's intermediate list that no worker started within this long was dropped by a
-# worker that died between taking it and starting it.
-STRANDED_AFTER_S = 60
+# An id in RQ's intermediate list that no worker started within this many reaper intervals (a
+# worker moves it out in milliseconds) was dropped by a worker that died between taking it and
+# starting it.
+STRANDED_INTERVALS = 3
+STRANDED_MIN_S = 10
 
 
 def reap(conn: redis.Redis, keys: Keys, owner: str, interval_s: int) -> bool:
@@ -27,26 +30,63 @@ def reap(conn: redis.Redis, keys: Keys, owner: str, interval_s: int) -> bool:
         return False
     for name in datasets.load_all(conn, keys):
         queue = Queue(keys.queue_name(name), connection=conn, serializer="json")
+        registry = StartedJobRegistry(queue=queue, serializer="json")
+        _forget_finished(conn, registry)
         # Abandoned: requeued while the job has RQ retries left, else failed (AbandonedJobError).
-        StartedJobRegistry(queue=queue, serializer="json").cleanup()
-        _requeue_stranded(conn, queue)
+        registry.cleanup()
+        _requeue_stranded(conn, keys, queue, max(STRANDED_MIN_S, STRANDED_INTERVALS * interval_s))
         worker_registration.clean_worker_registry(queue)
     return True
 
 
-def _requeue_stranded(conn: redis.Redis, queue: Queue) -> None:
-    started = {entry.split(b":")[0] for entry in conn.zrange(queue.started_job_registry.key, 0, -1)}
+def _forget_finished(conn: redis.Redis, registry: StartedJobRegistry) -> None:
+    """Lapsed executions of jobs that have finished (a late heartbeat of a worker that handed the
+    result over, or a partitioned worker returning) are dropped, not abandoned: RQ's cleanup would
+    queue a finished job again, and it would be generated twice."""
     now = time.time()
-    for job_id in conn.lrange(queue.intermediate_queue_key, 0, -1):
-        if job_id in started:
+    members = conn.zrangebyscore(registry.key, 0, now)
+    if not members:
+        return
+    ids = [m.decode().split(":")[0] for m in members]
+    jobs = Job.fetch_many(ids, conn, serializer="json")
+    done = {JobStatus.FINISHED, JobStatus.FAILED}
+    gone = [
+        m
+        for m, job in zip(members, jobs, strict=True)
+        if job is None or job.get_status(refresh=False) in done
+    ]
+    if gone:
+        conn.zrem(registry.key, *gone)
+
+
+def _requeue_stranded(conn: redis.Redis, keys: Keys, queue: Queue, after_s: float) -> None:
+    """Ids a worker moved into RQ's intermediate list and never started: queued again only when the
+    job is still waiting to run. A finished job's id there (a second copy of it, taken by a worker
+    that died before it could skip it) is dropped: queueing it would run it twice.
+
+    An id must be seen stranded on consecutive passes for ``after_s``: the first sighting is
+    forgotten as soon as the id leaves the list, so a job taken again later starts a new clock.
+    """
+    ids = conn.lrange(queue.intermediate_queue_key, 0, -1)
+    # Read after the list: an id started in between shows as started, never as stranded.
+    started = {entry.split(b":")[0] for entry in conn.zrange(queue.started_job_registry.key, 0, -1)}
+    seen = conn.hgetall(keys.stranded(queue.name))
+    stranded = [job_id for job_id in ids if job_id not in started]
+    left = [job_id for job_id in seen if job_id not in stranded]
+    if left:
+        conn.hdel(keys.stranded(queue.name), *left)
+    now = time.time()
+    for job_id in stranded:
+        if job_id not in seen:
+            conn.hset(keys.stranded(queue.name), job_id, now)
             continue
-        seen_key = f"{queue.intermediate_queue_key}:first_seen:{job_id.decode()}"
-        if conn.set(seen_key, now, nx=True, ex=3600):
+        if now - float(seen[job_id]) < after_s:
             continue
-        if now - float(conn.get(seen_key) or now) < STRANDED_AFTER_S:
-            continue
+        job = Job.fetch_many([job_id.decode()], conn, serializer="json")[0]
+        waiting = job is not None and job.get_status(refresh=False) == JobStatus.QUEUED
         with conn.pipeline() as pipe:
             pipe.lrem(queue.intermediate_queue_key, 1, job_id)
-            pipe.lpush(queue.key, job_id)
-            pipe.delete(seen_key)
+            if waiting:
+                pipe.lpush(queue.key, job_id)
+            pipe.hdel(keys.stranded(queue.name), job_id)
             pipe.execute()

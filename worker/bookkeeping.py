@@ -22,7 +22,7 @@ from itertools import islice
 import redis
 from rq import Queue, worker_registration
 from rq.executions import Execution
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
@@ -131,6 +131,16 @@ class Bookkeeper(BaseWorker):
                         extra={"job_id": job_id, "worker": self.name},
                     )
                     continue
+                if job.get_status(refresh=False) in (JobStatus.FINISHED, JobStatus.FAILED):
+                    # Finished elsewhere while its id waited in a queue (an RQ requeue that raced the
+                    # result): running it again would pay for the generation twice.
+                    log.warning(
+                        "job %s was queued but has already %s: skipped",
+                        job_id,
+                        job.get_status(refresh=False),
+                        extra={"job_id": job_id, "worker": self.name},
+                    )
+                    continue
                 if "unserialized" in job.meta:
                     # `rq info` or rq-dashboard without the JSON serializer re-saved the meta as
                     # pickle when it requeued the job; genq keeps nothing in meta, so drop it.
@@ -164,7 +174,13 @@ class Bookkeeper(BaseWorker):
     # -- in flight --------------------------------------------------------------------------
 
     def heartbeat_all(self, taken: list[Taken]) -> None:
-        """Refresh this worker and every in-flight execution (RQ's abandoned-job clock)."""
+        """Refresh this worker and every in-flight execution (RQ's abandoned-job clock).
+
+        ``taken`` was listed when the heartbeat was scheduled; a job whose result has been handed
+        over since (on this same thread, after a Redis outage that queued both) is skipped here:
+        refreshing its execution would put it back in RQ's started registry, and once that lapsed,
+        RQ's abandoned-job cleanup would queue a finished job again."""
+        taken = [t for t in taken if not t.finishing]
         ttl = self.heartbeat_ttl
         for chunk in _chunks(taken, 500):
             with self.connection.pipeline() as pipe:

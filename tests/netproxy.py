@@ -1,0 +1,67 @@
+"""A TCP proxy a test can cut and restore: a network partition between one process and a server,
+on one machine. While cut, nothing crosses either way (bytes wait, as packets a partition delays
+would be retransmitted); connections stay open, so the client just hangs, as across a real
+partition, instead of seeing a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+from genq.embedded import free_port
+
+
+class Proxy:
+    def __init__(self, target_port: int, host: str = "127.0.0.1") -> None:
+        self.target = (host, target_port)
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._open: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Proxy:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def cut(self) -> None:
+        self._loop.call_soon_threadsafe(self._open.clear)  # type: ignore[union-attr]
+
+    def restore(self) -> None:
+        self._loop.call_soon_threadsafe(self._open.set)  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._open = asyncio.Event()
+        self._open.set()
+        server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+        self._ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self._open is not None
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(65536):
+                await self._open.wait()
+                writer.write(data)
+                await writer.drain()
+        with contextlib.suppress(ConnectionError, OSError):
+            writer.close()
