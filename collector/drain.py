@@ -37,6 +37,9 @@ log = logging.getLogger("genq.collector")
 
 CONSUMER = "collector"
 LEASE_TTL_S = 15
+# Stop writing this long before the lease could lapse, by this process's own clock: a collector
+# cut off from Redis cannot renew it, and another may take over once it lapses.
+FENCE_MARGIN_S = 3.0
 
 
 _DELETE_IF = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
@@ -115,10 +118,10 @@ class Collector:
             time.sleep(0.5)
         self._lease_renewed = time.monotonic()
 
-    def renew_lease(self) -> None:
+    def renew_lease(self, force: bool = False) -> None:
         """Keep the lease; take it again if Redis lost it (a failover or a restart from an older
         snapshot forgets recent writes), but never from another collector that holds it."""
-        if time.monotonic() - self._lease_renewed < LEASE_TTL_S / 3:
+        if not force and time.monotonic() - self._lease_renewed < LEASE_TTL_S / 3:
             return
         renewed = self.conn.eval(_RENEW, 1, self.keys.collector_lease, self.lease_id, LEASE_TTL_S)
         if not renewed:
@@ -132,6 +135,21 @@ class Collector:
             self._files = {}
             self.reconcile()
             self.conn.set(self.keys.collector_ready, self.lease_id)
+
+    def fence(self) -> None:
+        """Self-fencing, checked before every write on this process's own clock (not when Redis
+        next answers): past this point the lease may have lapsed and another collector may be
+        appending to the same files, so this one stops."""
+        if time.monotonic() - self._lease_renewed > LEASE_TTL_S - FENCE_MARGIN_S:
+            # Renew first (a collector cut off from Redis blocks here and writes nothing); a lease
+            # another collector took meanwhile stops this one (LeaseHeld).
+            self.renew_lease(force=True)
+        held = time.monotonic() - self._lease_renewed
+        if held > LEASE_TTL_S - FENCE_MARGIN_S:
+            raise LeaseHeld(
+                f"not writing: the collector lease was last renewed {held:.0f} s ago and may lapse "
+                f"({LEASE_TTL_S} s); another collector may take over the folder"
+            )
 
     def release_lease(self) -> None:
         self.conn.delete(self.keys.collector_ready)
@@ -296,6 +314,7 @@ class Collector:
                 pipe.getbit(self.keys.done(name), index)
                 pipe.getbit(self.keys.failed(name), index)
             bits = pipe.execute()
+        self.fence()  # right before the files are touched: the reads above may have waited on Redis
         seen: set[tuple[str, int]] = set()
         before = {key: f.synced_size for key, f in self._files.items()}  # where this batch began
         to_mark = []

@@ -82,3 +82,50 @@ def test_a_finished_jobs_stray_id_in_the_intermediate_list_is_not_queued_again(
     assert sim_stats(sim)["generations"] == generations, "a finished job was generated again"
     assert stop(worker) == 0, log_of(worker)
     check_records(out, "stray", prompts, PARAMS)
+
+
+def test_a_collector_cut_off_stops_writing_before_another_takes_over(
+    procs, start_sim, out, tmp_path, redis_url
+):
+    """The collector's host is cut off from Redis past the lease: nothing it has not written may be
+    acknowledged, a second collector waits out the lease and takes over the same folder, and the
+    first — which may hold a batch read just before the cut — stops before writing it (it fences
+    itself on its own clock, not when Redis next answers)."""
+    sim = start_sim("--latency", "realistic", "--decode-step-ms", "3")
+    data = tmp_path / "fence.jsonl"
+    prompts = write_prompts(data, 800)
+    assert procs.run("enqueue", data, "--max-new-tokens", "300").returncode == 0
+    proxy = Proxy(urlsplit(redis_url).port).start()
+    raw = out / "fence" / "raw_responses.jsonl"
+    try:
+        first = procs.start(
+            "collect",
+            "--out",
+            out,
+            "--batch",
+            "20",
+            env={"GENQ_REDIS_URL": f"redis://127.0.0.1:{proxy.port}/0"},
+        )
+        worker = procs.start("worker", "--server", sim, "--concurrency", "64")
+        wait_until(
+            lambda: raw.exists() and len(raw.read_bytes().splitlines()) >= 100,
+            60,
+            "the first collector writing",
+        )
+        proxy.cut()
+        cut_at = len(raw.read_bytes().splitlines())
+        second = procs.start("collect", "--out", out)  # waits out the first one's lease
+        wait_until(lambda: "draining" in log_of(second), 60, "the second collector to take the lease")
+        wait_until(
+            lambda: len(raw.read_bytes().splitlines()) >= cut_at + 100, 60, "the second collector writing"
+        )
+        proxy.restore()
+        assert first.wait(60) == 2, log_of(first)
+        assert "lost the collector lease" in log_of(first) or "not writing" in log_of(first)
+        wait_until(
+            lambda: status_json(procs)["datasets"]["fence"]["done"] == 800, 120, "every record on disk"
+        )
+        assert stop(worker) == 0 and stop(second) == 0
+    finally:
+        proxy.stop()
+    check_records(out, "fence", prompts, PARAMS)
