@@ -129,3 +129,29 @@ def test_a_collector_cut_off_stops_writing_before_another_takes_over(
     finally:
         proxy.stop()
     check_records(out, "fence", prompts, PARAMS)
+
+
+def test_a_worker_cut_off_from_its_own_server_burns_no_attempts(procs, start_sim, out, tmp_path):
+    """Only the link to the inference server breaks: requests hang past their deadline and /health
+    does not answer either. The gate closes, no attempt is charged (one attempt per job here: a
+    charged one would fail the job), and work resumes when the link returns."""
+    sim = start_sim("--latency", "realistic", "--decode-step-ms", "3", "--min-len", "16", "--max-len", "64")
+    proxy = Proxy(int(sim.rsplit(":", 1)[1])).start()
+    data = tmp_path / "server.jsonl"
+    prompts = write_prompts(data, 300)
+    assert procs.run("enqueue", data, "--max-new-tokens", "300").returncode == 0
+    try:
+        worker = procs.start(
+            "worker", "--server", f"http://127.0.0.1:{proxy.port}", "--concurrency", "32",
+            "--request-timeout", "3", "--max-attempts", "1", "--burst",
+        )  # fmt: skip
+        wait_until(lambda: status_json(procs)["datasets"]["server"]["in_flight"] >= 16, 60, "jobs in flight")
+        proxy.cut()
+        wait_until(lambda: "looks down" in log_of(worker), 90, "the gate to close")
+        proxy.restore()
+        assert worker.wait(180) == 0, log_of(worker)
+        assert "is up again" in log_of(worker)
+    finally:
+        proxy.stop()
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    check_records(out, "server", prompts, PARAMS, min_len=16, max_len=64)

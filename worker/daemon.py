@@ -436,7 +436,7 @@ class Worker:
         # holds, and aborts every rid that starts with the one given. Job ids hold no ".", and the
         # random tail has a fixed length.
         rid = f"{job_id}.{attempt}.{secrets.token_hex(6)}"
-        served = self._served
+        served, life = self._served, self._life
         tries.last_sent = sent = time.monotonic()
         try:
             answer = await self.backend.generate(spec, rid, self.config.attempt_timeout(spec.max_new_tokens))
@@ -448,7 +448,7 @@ class Worker:
             tries.last = exc
             if exc.kind == "timeout":
                 await self.backend.abort(rid)
-            ending = await self._judge(t, tries, exc, attempt, served)
+            ending = await self._judge(t, tries, exc, attempt, served, life)
             if ending is not None:
                 await self._fail(t, *ending, turn)
                 return None
@@ -479,7 +479,7 @@ class Worker:
         return answer
 
     async def _judge(
-        self, t: Taken, tries: _Tries, exc: AttemptError, attempt: int, served: int
+        self, t: Taken, tries: _Tries, exc: AttemptError, attempt: int, served: int, life: int
     ) -> tuple[AttemptError, int] | None:
         """What a failed send costs (decision 7, docs/failures.md). Returns (error, attempts) when
         the job must end now, else None: retry, with the send charged or spared."""
@@ -489,6 +489,11 @@ class Worker:
                 cost = Cost.ATTEMPT  # the server is fine: the drop was this request's
             else:
                 return await self._crashed(t, tries, exc, attempt)
+        elif exc.kind == "timeout" and not await self._answered_through(life):
+            # No answer, and the server was unreachable or hung (a partition, SIGSTOP) meanwhile:
+            # whatever it answered others before, no fault of this prompt.
+            exc.down = True
+            return await self._spare(t, exc, attempt)
         if cost is Cost.FATAL:
             return exc, attempt
         if cost is Cost.ATTEMPT:
@@ -498,22 +503,33 @@ class Worker:
             # prompt's own (SGLang's "Request running timeout reached." for a long generation).
             return None
         if cost is Cost.SERVER:
-            spared = await self.redis(self.books.spare, t.job.id, self.keys.spared)
-            if exc.down:
-                self._note_server_failure(str(exc))
-            if spared > self.config.max_spared:
-                return AttemptError(
-                    exc.kind,
-                    f"{exc.message} (the server failed this prompt {spared} times while it served "
-                    "no other job of this worker; --max-spared bounds that)",
-                    exc.status,
-                ), attempt - 1
-            return None
+            return await self._spare(t, exc, attempt)
         await self.redis(self.books.spare, t.job.id, None)  # FREE or AUTH: no work was done
         if cost is Cost.AUTH:
             self._close_gate(f"the server refused the API key ({exc})", self._auth_works)
         elif exc.down:
             self._note_server_failure(str(exc))
+        return None
+
+    async def _answered_through(self, life: int) -> bool:
+        """The server answers /health now, and has not been down since ``life`` began (its gate did
+        not close and reopen meanwhile: a health check that started during an outage may answer
+        only once it is over)."""
+        healthy = await self.backend.healthy()
+        return healthy and self._life == life and self._server_up.is_set()
+
+    async def _spare(self, t: Taken, exc: AttemptError, attempt: int) -> tuple[AttemptError, int] | None:
+        """A send the server failed: not charged, but counted, and bounded by --max-spared."""
+        spared = await self.redis(self.books.spare, t.job.id, self.keys.spared)
+        if exc.down:
+            self._note_server_failure(str(exc))
+        if spared > self.config.max_spared:
+            return AttemptError(
+                exc.kind,
+                f"{exc.message} (the server failed this prompt {spared} times while it served "
+                "no other job of this worker; --max-spared bounds that)",
+                exc.status,
+            ), attempt - 1
         return None
 
     async def _crashed(
