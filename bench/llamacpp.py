@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import cpu_s, machine  # noqa: E402
 from genq.embedded import EmbeddedRedis, free_port  # noqa: E402
 from tests.llama import LlamaServer, server_binary, tiny_prompts, write_model  # noqa: E402
 
@@ -47,11 +47,6 @@ async def bare(url: str, prompts: list[list[int]], n_predict: int, concurrency: 
                 return len((await resp.json())["tokens"])
 
         return sum(await asyncio.gather(*(one(p) for p in prompts)))
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_genq(url: str, data: Path, work: Path, n_predict: int, concurrency: int) -> dict:
@@ -148,12 +143,7 @@ def main() -> int:
         )
     Console().print(table)
     out = ROOT / "bench" / "results" / "llamacpp.json"
-    out.write_text(
-        json.dumps(
-            {"machine": platform.node(), "cpus": os.cpu_count(), "args": vars(args), "rows": rows}, indent=2
-        )
-        + "\n"
-    )
+    out.write_text(json.dumps({"machine": machine(), "args": vars(args), "rows": rows}, indent=2) + "\n")
     print(f"written to {out.relative_to(ROOT)}")
     return 0
 

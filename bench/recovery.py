@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -34,10 +33,14 @@ from redis import Redis
 from rich.console import Console
 from rich.table import Table
 
-from genq.embedded import EmbeddedRedis, free_port
-from genq.keys import Keys
-from genq.processes import genq_command, spawn, wait_for_line
-from genq.status import dataset_counts
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import machine, write_prompts  # noqa: E402
+from genq.embedded import EmbeddedRedis, free_port  # noqa: E402
+from genq.keys import Keys  # noqa: E402
+from genq.processes import genq_command, spawn, wait_for_line  # noqa: E402
+from genq.status import dataset_counts  # noqa: E402
 
 TIMEOUT_S = 300.0
 LONG = ("--latency", "realistic", "--min-len", "3000", "--max-len", "3100", "--decode-step-ms", "5")
@@ -108,10 +111,7 @@ class Run:
 
     def enqueue(self, n: int, max_new_tokens: int) -> None:
         prompts = self.dir / "prompts.jsonl"
-        with prompts.open("wb") as fh:
-            for i in range(n):
-                ids = [100 + (i * 7 + j * 13) % 30000 for j in range(4 + i % 36)]
-                fh.write(orjson.dumps({"id": f"src-{i}", "input_ids": ids}) + b"\n")
+        write_prompts(prompts, n)
         argv = genq_command(
             "enqueue", str(prompts), "--dataset", self.dataset, "--max-new-tokens", str(max_new_tokens)
         )
@@ -324,15 +324,9 @@ def main() -> int:
         secs = "-" if r["seconds"] is None else f"{r['seconds']:.1f}"
         table.add_row(r["scenario"], r["setting"], secs, f"{r['bound_s']:g}", check, r["detail"])
     console.print(table)
-    machine = {
-        "nproc": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
     dest = Path(__file__).resolve().parent / "results" / "recovery.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps({"machine": machine, "results": rows}, indent=2) + "\n")
+    dest.write_text(json.dumps({"machine": machine(), "results": rows}, indent=2) + "\n")
     console.print(f"wrote {dest}")
     return 0 if ok else 1
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -35,9 +34,13 @@ from redis import Redis
 from rich.console import Console
 from rich.table import Table
 
-from genq.embedded import EmbeddedRedis
-from genq.keys import Keys
-from genq.processes import genq_command, spawn, wait_for_line
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import cpu_s, machine, write_prompts  # noqa: E402
+from genq.embedded import EmbeddedRedis  # noqa: E402
+from genq.keys import Keys  # noqa: E402
+from genq.processes import genq_command, spawn, wait_for_line  # noqa: E402
 
 TIMEOUT_S = 300.0
 ZERO = ("--latency", "zero", "--min-len", "16", "--max-len", "128")
@@ -63,23 +66,6 @@ CONFIGS = [
     Config("real-2w", REALISTIC, 2, 128, 1500, 256, "real-1w"),
     Config("real-1w-c16", REALISTIC, 1, 16, 500, 256, "real-1w"),
 ]
-
-
-def write_prompts(path: Path, n: int) -> None:
-    """Pre-tokenized prompts of 4..39 tokens, like tests/helpers.write_prompts: no tokenizer needed."""
-    with path.open("wb") as fh:
-        for i in range(n):
-            ids = [100 + (i * 7 + j * 13) % 30000 for j in range(4 + i % 36)]
-            fh.write(orjson.dumps({"id": f"src-{i}", "input_ids": ids}) + b"\n")
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime+stime of a running process; 0 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def reap(procs: list[subprocess.Popen], deadline: float) -> dict[int, float]:
@@ -152,7 +138,7 @@ def run_once(cfg: Config, redis: EmbeddedRedis, work: Path, children: list[subpr
         time.sleep(0.05)
 
     assert redis.proc is not None
-    sim_cpu0, redis_cpu0 = proc_cpu_s(sim.pid), proc_cpu_s(redis.proc.pid)
+    sim_cpu0, redis_cpu0 = cpu_s(sim.pid), cpu_s(redis.proc.pid)
     t0 = time.monotonic()
     workers = [
         start(f"worker-{i}", "worker", "--server", server, "--burst", "--concurrency", str(cfg.concurrency))
@@ -160,7 +146,7 @@ def run_once(cfg: Config, redis: EmbeddedRedis, work: Path, children: list[subpr
     ]
     cpu = reap([*workers, collector], t0 + TIMEOUT_S)
     wall = time.monotonic() - t0
-    sim_cpu, redis_cpu = proc_cpu_s(sim.pid) - sim_cpu0, proc_cpu_s(redis.proc.pid) - redis_cpu0
+    sim_cpu, redis_cpu = cpu_s(sim.pid) - sim_cpu0, cpu_s(redis.proc.pid) - redis_cpu0
     sim.kill()
     sim.wait(10)
     bad = {f"{p.args[3]}-{p.pid}": p.returncode for p in [*workers, collector] if p.returncode != 0}
@@ -268,14 +254,8 @@ def main() -> int:
     print_table(results)
     dest = Path(__file__).resolve().parent / "results" / "throughput.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
-    machine = {
-        "nproc": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
     meta = {"quick": args.quick, "repeat": args.repeat}
-    dest.write_text(json.dumps({"machine": machine, **meta, "results": results}, indent=2) + "\n")
+    dest.write_text(json.dumps({"machine": machine(), **meta, "results": results}, indent=2) + "\n")
     console.print(f"wrote {dest}")
     return 0
 

@@ -1,0 +1,304 @@
+"""The cluster ceiling: CPU per job of each role (worker, collector, Redis), beside a bare client.
+
+    python bench/ceiling.py                   # 2,000 prompts, 128 in flight, ~1 minute
+    python bench/ceiling.py --prompts 5000 --enqueue 100000
+    python bench/ceiling.py --soak 100000     # the long run: two workers, --max-queued, flat memory
+
+One simulated SGLang server with a continuous-batching latency model (a step of 16 tokens costs
+30 ms + 0.1 ms per running sequence), pre-tokenized prompts, at most 256 new tokens. First a bare
+aiohttp client sends every prompt (128 in flight) and waits for all answers; then genq does the
+same work end to end: a private redis-server, the queue prefilled by `genq enqueue`, one `genq
+worker --burst` and one `genq collect --burst`, timed from the worker's start until both
+processes have exited. CPU per job is counted per process from the moment it was ready (its
+imports and start-up are not per-job costs); Redis's from its own /proc counters.
+
+Also measured: the enqueue rate (``--enqueue`` prompts through ``enqueue_dataset``, in process, so
+Python's start-up is not in it), the Redis memory of a queued job beyond its prompt ids, and the
+ceiling: the jobs/s one Redis core and one collector process can carry at the measured CPU per
+job. Results go to bench/results/ceiling.json (or ceiling-soak.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+import orjson
+from redis import Redis
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import cpu_s, machine, write_prompts  # noqa: E402
+from genq.embedded import EmbeddedRedis  # noqa: E402
+from genq.keys import Keys  # noqa: E402
+from genq.processes import genq_command, spawn, wait_for_line  # noqa: E402
+
+# 16 tokens per step at 30 ms + 0.1 ms per running sequence: 1.875 ms a token, knee at 300.
+SIM = ("--latency", "realistic", "--decode-step-ms", "1.875", "--batch-knee", "300")
+SIM_TICK = ("--tokens-per-tick", "16", "--min-len", "32", "--max-len", "256")
+ZERO = ("--latency", "zero", "--min-len", "16", "--max-len", "64")
+TIMEOUT_S = 900.0
+console = Console(width=132)
+
+
+def bare(url: str, prompts: list[list[int]], max_new: int, concurrency: int) -> tuple[float, float]:
+    """Every prompt through one aiohttp session, ``concurrency`` in flight: (wall s, CPU s)."""
+
+    async def run() -> None:
+        gate = asyncio.Semaphore(concurrency)
+        connector = aiohttp.TCPConnector(limit=concurrency)
+        async with aiohttp.ClientSession(connector=connector) as session:
+
+            async def one(ids: list[int]) -> None:
+                body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new}}
+                async with gate, session.post(url + "/generate", data=orjson.dumps(body)) as resp:
+                    answer = orjson.loads(await resp.read())
+                    assert resp.status == 200 and answer["meta_info"]["completion_tokens"] > 0, answer
+
+            await asyncio.gather(*(one(p) for p in prompts))
+
+    cpu0, t0 = time.process_time(), time.monotonic()
+    asyncio.run(run())
+    return time.monotonic() - t0, time.process_time() - cpu0
+
+
+class Cluster:
+    """A private redis-server and a simulator; genq's processes started against them."""
+
+    def __init__(self, work: Path, sim_flags: tuple[str, ...]):
+        self.work = work
+        self.redis = EmbeddedRedis(work / "redis")
+        self.redis.start()
+        self.conn = Redis.from_url(self.redis.url)
+        self.children: list[subprocess.Popen] = []
+        self.sim = self.start("sim", "sim-server", "--port", "0", *sim_flags, stdout=subprocess.PIPE)
+        self.server = wait_for_line(self.sim, "sim-server listening on ", 30).rsplit(" ", 1)[1]
+
+    def env(self, ns: str) -> dict[str, str]:
+        return {"GENQ_REDIS_URL": self.redis.url, "GENQ_NAMESPACE": ns}
+
+    def start(self, name: str, *args: str, ns: str = "bench", stdout: int | None = None) -> subprocess.Popen:
+        log = open(self.work / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
+        proc = spawn(genq_command(*args), env=self.env(ns), stdout=stdout or log, stderr=log)
+        self.children.append(proc)
+        return proc
+
+    def redis_cpu(self) -> float:
+        assert self.redis.proc is not None
+        return cpu_s(self.redis.proc.pid)
+
+    def close(self) -> None:
+        for proc in reversed(self.children):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        self.redis.stop()
+
+
+def ready_cpu(proc: subprocess.Popen, log: Path, line: str, deadline: float) -> float:
+    """The process's CPU seconds when ``line`` appears in its log: its start-up, not per job."""
+    while line not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.args} never logged {line!r}; see {log}")
+        time.sleep(0.01)
+    return cpu_s(proc.pid)
+
+
+def reaped(procs: list[subprocess.Popen], ended: dict[int, tuple[float, float]]) -> bool:
+    """Collect the processes that exited since the last call: (exit time, CPU seconds from
+    os.wait4) of each into ``ended``; whether all have."""
+    for p in procs:
+        if p.pid not in ended:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                p.returncode = os.waitstatus_to_exitcode(status)  # Popen must not wait again
+                ended[p.pid] = (time.monotonic(), ru.ru_utime + ru.ru_stime)
+    return len(ended) == len(procs)
+
+
+def records_on_disk(raw: Path) -> int:
+    return raw.read_bytes().count(b"\n") if raw.exists() else 0
+
+
+def run_genq(cluster: Cluster, data: Path, n: int, args: argparse.Namespace, workers: int = 1) -> dict:
+    """Prefill the queue, then a collector and ``workers`` workers in --burst until they exit."""
+    ns, dataset = f"b{uuid.uuid4().hex[:6]}", data.stem
+    out = cluster.work / ns
+    enq = ["enqueue", str(data), "--max-new-tokens", str(args.max_new_tokens)]
+    if args.soak:
+        enq += ["--max-queued", str(args.max_queued)]
+    enqueue = cluster.start(f"{ns}-enqueue", *enq, ns=ns)
+    if not args.soak and enqueue.wait(TIMEOUT_S) != 0:
+        raise RuntimeError(f"enqueue failed; see {cluster.work}")
+    deadline = time.monotonic() + TIMEOUT_S
+    collector = cluster.start(f"{ns}-collector", "collect", "--out", str(out), "--burst", ns=ns)
+    collector_log = cluster.work / f"{ns}-collector.log"
+    collector_cpu0 = ready_cpu(collector, collector_log, "draining", deadline)
+    redis_cpu0, t0 = cluster.redis_cpu(), time.monotonic()
+    burst = ("--burst", "--concurrency", str(args.concurrency))
+    procs = [
+        cluster.start(f"{ns}-worker{i}", "worker", "--server", cluster.server, *burst, ns=ns)
+        for i in range(workers)
+    ]
+    worker_cpu0 = [
+        ready_cpu(p, cluster.work / f"{ns}-worker{i}.log", "serving", deadline) for i, p in enumerate(procs)
+    ]
+    raw = out / dataset / "raw_responses.jsonl"
+    last_record = None
+    memory: list[int] = []
+    ended: dict[int, tuple[float, float]] = {}
+    sampled = 0.0
+    while not reaped([*procs, collector], ended):
+        if last_record is None and records_on_disk(raw) >= n:
+            last_record = time.monotonic() - t0
+        if args.soak and time.monotonic() - sampled >= 1.0:
+            memory.append(int(cluster.conn.info("memory")["used_memory"]))
+            sampled = time.monotonic()
+        if time.monotonic() > deadline:
+            raise TimeoutError("genq's processes did not exit")
+        time.sleep(0.005)
+    redis_cpu = cluster.redis_cpu() - redis_cpu0
+    if last_record is None:
+        last_record = ended[collector.pid][0] - t0
+    if any(p.returncode != 0 for p in [*procs, collector]) or (args.soak and enqueue.wait(60) != 0):
+        raise RuntimeError(f"a genq process failed; see {cluster.work}")
+    lines = raw.read_bytes().splitlines()
+    ids = [orjson.loads(line)["id"] for line in lines]
+    if len(ids) != n or len(set(ids)) != n:
+        raise RuntimeError(f"{len(ids)} records, {len(set(ids))} distinct, expected {n}")
+    worker_cpu = sum(ended[p.pid][1] - c for p, c in zip(procs, worker_cpu0, strict=True))
+    return {
+        "wall_last_record_s": last_record,
+        "wall_exit_s": max(t for t, _ in ended.values()) - t0,
+        "worker_cpu_ms_per_job": 1000 * worker_cpu / n,
+        "collector_cpu_ms_per_job": 1000 * (ended[collector.pid][1] - collector_cpu0) / n,
+        "redis_cpu_ms_per_job": 1000 * redis_cpu / n,
+        "redis_memory_mb": {"min": min(memory) / 2**20, "max": max(memory) / 2**20} if memory else None,
+    }
+
+
+def measure_enqueue(cluster: Cluster, n: int) -> dict:
+    """Enqueue rate in process, and the Redis bytes a queued job costs beyond its prompt ids."""
+    from producer.enqueue import Options, enqueue_dataset
+
+    data = cluster.work / "enqueue.jsonl"
+    ids_bytes = sum(len(orjson.dumps(ids)) for ids in write_prompts(data, n))
+    keys = Keys(f"e{uuid.uuid4().hex[:6]}")
+    before = int(cluster.conn.info("memory")["used_memory"])
+    t0 = time.perf_counter()
+    summary = enqueue_dataset(cluster.conn, keys, [data], "enqueue", {"max_new_tokens": 256}, 1, Options())
+    seconds = time.perf_counter() - t0
+    assert summary.enqueued == n, summary
+    after = int(cluster.conn.info("memory")["used_memory"])
+    return {
+        "prompts": n,
+        "seconds": seconds,
+        "prompts_per_s": n / seconds,
+        "bytes_per_job": (after - before) / n,
+        "bytes_per_job_beyond_ids": (after - before - ids_bytes) / n,
+    }
+
+
+def report(args: argparse.Namespace, bare_wall: float, bare_cpu: float, genq: dict, enq: dict) -> dict:
+    n = args.prompts
+    title = f"{n} prompts, {args.concurrency} in flight, at most {args.max_new_tokens} new tokens"
+    table = Table(title=title)
+    for col in ("client", "wall s (last record)", "wall s (exit)", "vs bare (exit)", "CPU ms/job"):
+        table.add_column(col, justify="right")
+    bare_ms = f"{1000 * bare_cpu / n:.2f}"
+    table.add_row("bare aiohttp", f"{bare_wall:.2f}", f"{bare_wall:.2f}", "1.00", bare_ms)
+    per_job = {role: genq[f"{role}_cpu_ms_per_job"] for role in ("worker", "collector", "redis")}
+    table.add_row(
+        "genq",
+        f"{genq['wall_last_record_s']:.2f}",
+        f"{genq['wall_exit_s']:.2f}",
+        f"{bare_wall / genq['wall_exit_s']:.2f}",
+        " + ".join(f"{role} {ms:.2f}" for role, ms in per_job.items()),
+    )
+    console.print(table)
+    ceiling = {
+        "redis_jobs_per_s": 1000 / per_job["redis"],
+        "collector_jobs_per_s": 1000 / per_job["collector"],
+    }
+    console.print(
+        f"enqueue: {enq['prompts_per_s']:,.0f} prompts/s; a queued job: {enq['bytes_per_job']:,.0f} B "
+        f"of Redis, {enq['bytes_per_job_beyond_ids']:,.0f} B beyond its prompt ids"
+    )
+    console.print(
+        f"ceiling: one Redis core carries {ceiling['redis_jobs_per_s']:,.0f} jobs/s, "
+        f"one collector {ceiling['collector_jobs_per_s']:,.0f} jobs/s"
+    )
+    return {
+        "bare": {"wall_s": bare_wall, "cpu_ms_per_job": 1000 * bare_cpu / n},
+        "genq": genq,
+        "wall_ratio": bare_wall / genq["wall_exit_s"],
+        "enqueue": enq,
+        "ceiling": ceiling,
+    }
+
+
+def soak(args: argparse.Namespace, work: Path) -> dict:
+    """The long run: zero latency, two workers, --max-queued; Redis memory sampled every second."""
+    cluster = Cluster(work, ZERO)
+    try:
+        data = work / "soak.jsonl"
+        write_prompts(data, args.soak)
+        args.prompts = args.soak
+        result = run_genq(cluster, data, args.soak, args, workers=2)
+    finally:
+        cluster.close()
+    mem = result["redis_memory_mb"]
+    console.print(
+        f"{args.soak:,} prompts, two workers, --max-queued {args.max_queued}: every id on disk once; "
+        f"{args.soak / result['wall_exit_s']:,.0f} jobs/s; Redis memory {mem['min']:.1f}-{mem['max']:.1f} MB"
+    )
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=2000)
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--enqueue", type=int, default=50_000, help="prompts for the enqueue rate")
+    ap.add_argument("--soak", type=int, default=0, help="run the long soak with this many prompts instead")
+    ap.add_argument("--max-queued", type=int, default=5000, help="the soak's --max-queued")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="genq-ceiling-") as tmp:
+        work = Path(tmp)
+        if args.soak:
+            result = {"soak": soak(args, work)}
+            name = "ceiling-soak.json"
+        else:
+            cluster = Cluster(work, SIM + SIM_TICK)
+            try:
+                data = work / "ceiling.jsonl"
+                prompts = write_prompts(data, args.prompts)
+                bare(cluster.server, prompts[:100], args.max_new_tokens, args.concurrency)  # warm up
+                bare_wall, bare_cpu = bare(cluster.server, prompts, args.max_new_tokens, args.concurrency)
+                genq = run_genq(cluster, data, args.prompts, args)
+                enq = measure_enqueue(cluster, args.enqueue)
+            finally:
+                cluster.close()
+            result = report(args, bare_wall, bare_cpu, genq, enq)
+            name = "ceiling.json"
+    dest = ROOT / "bench" / "results" / name
+    dest.write_text(json.dumps({"machine": machine(), "args": vars(args), **result}, indent=2) + "\n")
+    console.print(f"written to {dest.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""What the benchmarks share: prompts that need no tokenizer, CPU seconds of a process, the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import orjson
+
+
+def write_prompts(path: Path, n: int) -> list[list[int]]:
+    """Pre-tokenized prompts of 4..39 tokens (like tests/helpers.write_prompts); their ids."""
+    prompts = [[100 + (i * 7 + j * 13) % 30000 for j in range(4 + i % 36)] for i in range(n)]
+    with path.open("wb") as fh:
+        for i, ids in enumerate(prompts):
+            fh.write(orjson.dumps({"id": f"src-{i}", "input_ids": ids}) + b"\n")
+    return prompts
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of a running process; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine() -> dict[str, object]:
+    return {
+        "nproc": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
