@@ -146,6 +146,7 @@ def run_genq(cluster: Cluster, data: Path, n: int, args: argparse.Namespace, wor
     collector = cluster.start(f"{ns}-collector", "collect", "--out", str(out), "--burst", ns=ns)
     collector_log = cluster.work / f"{ns}-collector.log"
     collector_cpu0 = ready_cpu(collector, collector_log, "draining", deadline)
+    cluster.conn.config_resetstat()
     redis_cpu0, t0 = cluster.redis_cpu(), time.monotonic()
     burst = ("--burst", "--concurrency", str(args.concurrency))
     procs = [
@@ -155,6 +156,7 @@ def run_genq(cluster: Cluster, data: Path, n: int, args: argparse.Namespace, wor
     worker_cpu0 = [
         ready_cpu(p, cluster.work / f"{ns}-worker{i}.log", "serving", deadline) for i, p in enumerate(procs)
     ]
+    started = time.monotonic() - t0
     raw = out / dataset / "raw_responses.jsonl"
     last_record = None
     memory: list[int] = []
@@ -170,6 +172,10 @@ def run_genq(cluster: Cluster, data: Path, n: int, args: argparse.Namespace, wor
             raise TimeoutError("genq's processes did not exit")
         time.sleep(0.005)
     redis_cpu = cluster.redis_cpu() - redis_cpu0
+    commands = {
+        name.removeprefix("cmdstat_"): {"calls_per_job": c["calls"] / n, "us_per_job": c["usec"] / n}
+        for name, c in cluster.conn.info("commandstats").items()
+    }
     if last_record is None:
         last_record = ended[collector.pid][0] - t0
     if any(p.returncode != 0 for p in [*procs, collector]) or (args.soak and enqueue.wait(60) != 0):
@@ -182,9 +188,13 @@ def run_genq(cluster: Cluster, data: Path, n: int, args: argparse.Namespace, wor
     return {
         "wall_last_record_s": last_record,
         "wall_exit_s": max(t for t, _ in ended.values()) - t0,
+        "worker_exit_s": max(ended[p.pid][0] for p in procs) - t0,
+        "collector_exit_s": ended[collector.pid][0] - t0,
+        "worker_startup_s": started,
         "worker_cpu_ms_per_job": 1000 * worker_cpu / n,
         "collector_cpu_ms_per_job": 1000 * (ended[collector.pid][1] - collector_cpu0) / n,
         "redis_cpu_ms_per_job": 1000 * redis_cpu / n,
+        "redis_commands": dict(sorted(commands.items(), key=lambda kv: -kv[1]["us_per_job"])),
         "redis_memory_mb": {"min": min(memory) / 2**20, "max": max(memory) / 2**20} if memory else None,
     }
 

@@ -263,7 +263,7 @@ def collector_sigkill(work: Path, url: str) -> list[Row]:
     sigkill(first)
     killed_at, t0 = lines(run.raw), time.monotonic()
     second = run.start("collector-2", "collect", "--out", str(run.out), "--burst")
-    drained = lambda: run.counts()["done"] == n and run.conn.xlen(run.keys.results) == 0  # noqa: E731
+    drained = lambda: run.counts()["done"] == n and run.conn.xlen(run.keys.results(run.dataset)) == 0  # noqa: E731
     t1 = wait_until(drained, "the stream drained")
     wait_until(lambda: second.poll() is not None, "the collector to exit")
     once, ids = run.ids_once(n)

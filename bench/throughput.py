@@ -132,7 +132,8 @@ def run_once(cfg: Config, redis: EmbeddedRedis, work: Path, children: list[subpr
     collector = start("collector", "collect", "--out", str(out), "--burst")
     conn, keys = Redis.from_url(redis.url), Keys(ns)
     deadline = time.monotonic() + 60
-    while (lease := conn.get(keys.collector_lease)) is None or lease != conn.get(keys.collector_ready):
+    ready = (keys.collector_lease(dataset), keys.collector_ready(dataset))
+    while (lease := conn.get(ready[0])) is None or lease != conn.get(ready[1]):
         if collector.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"collector not ready; see {logs / 'collector.log'}")
         time.sleep(0.05)

@@ -14,7 +14,7 @@ import os
 import socket
 import time
 import uuid
-from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +25,9 @@ from rq.registry import FailedJobRegistry
 
 from collector import metrics
 from collector.files import ERRORS, RAW, Appender, cut_torn_tail, scan
-from genq import datasets, tokens
-from genq.bitmaps import is_set
+from genq import datasets as datasets_mod
+from genq import tokens
+from genq.bitmaps import get_bits, is_set, set_bits
 from genq.failures import reason_of
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS
@@ -35,7 +36,8 @@ from genq.schema import KIND_ERROR, KIND_RECORD, bit_index, error_record, loads,
 
 log = logging.getLogger("genq.collector")
 
-CONSUMER = "collector"
+CONSUMER = "collector"  # every holder of a dataset reads as this consumer, and takes its pending entries over
+PENDING_CHECK_S = 5.0
 LEASE_TTL_S = 15
 # Stop writing this long before the lease could lapse, by this process's own clock: a collector
 # cut off from Redis cannot renew it, and another may take over once it lapses.
@@ -83,95 +85,163 @@ class Item:
     data: dict
     entry_id: bytes | None  # None for errors the collector itself found (failed registry)
     logprobs: bytes | None = None  # the record's frame for logprobs.bin (genq/logprobs.py)
+    dataset: str = ""  # the dataset whose stream (or failed registry) it came from
 
 
 class Collector:
-    def __init__(self, conn: redis.Redis, keys: Keys, out: Path, batch: int = 500):
+    """Drains the result streams of the datasets whose leases it holds into OUT/<dataset>/.
+
+    Decision 11, per dataset: each dataset's stream and files belong to one collector at a time (a
+    lease in Redis). A collector takes the lease of every dataset it is given (``datasets``; all of
+    the namespace's when None) that nobody holds, at start and whenever one appears or lapses, so
+    several collectors share a namespace's datasets, and one whose datasets are all held waits as a
+    standby for a holder to die.
+    """
+
+    def __init__(
+        self,
+        conn: redis.Redis,
+        keys: Keys,
+        out: Path,
+        batch: int = 500,
+        datasets: Collection[str] | None = None,
+    ):
         self.conn = conn
         self.keys = keys
         self.out = out
         self.batch = batch
+        self.wanted = frozenset(datasets) if datasets else None
         self.lease_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        self._settings: dict[str, datasets.DatasetSettings] = {}
+        self.held: dict[str, float] = {}  # dataset -> when its lease was last renewed (monotonic)
+        self._settings: dict[str, datasets_mod.DatasetSettings] = {}
         self._files: dict[tuple[str, str], Appender] = {}
-        self._lease_renewed = 0.0
+        # Datasets whose streams may hold entries delivered before and never acknowledged (by this
+        # collector before a failure, or by the one that held the dataset before): read those first.
+        self._unacked: set[str] = set()
+        self._pending_checked = time.monotonic()
+        self._renew = conn.register_script(_RENEW)
         self.written = 0
         self.duplicates = 0
 
-    # -- start-up ---------------------------------------------------------------------------
+    # -- leases -----------------------------------------------------------------------------
 
-    def acquire_lease(self, wait_s: float = LEASE_TTL_S + 5) -> None:
-        """Decision 11: one collector per namespace.
+    def claim(self) -> list[str]:
+        """Take the lease of every wanted dataset that nobody holds, or whose holder is a dead
+        process of this host, and make each ready (its files reconciled with Redis); the newly
+        held ones. Another live holder's lease is left alone: it lapses within LEASE_TTL_S if
+        that collector is gone."""
+        self._settings = datasets_mod.load_all(self.conn, self.keys)
+        names = [
+            n for n in self._settings if n not in self.held and (self.wanted is None or n in self.wanted)
+        ]
+        if not names:
+            return []
+        renewed = time.monotonic()  # before the SETs: the leases run from no later than this
+        with self.conn.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.set(self.keys.collector_lease(name), self.lease_id, nx=True, ex=LEASE_TTL_S)
+                pipe.get(self.keys.collector_lease(name))
+            replies = pipe.execute()
+        taken = []
+        for name, got, holder in zip(names, replies[::2], replies[1::2], strict=True):
+            holder = (holder or b"").decode()
+            if not got and holder and _dead_local(holder):
+                log.warning("collector %s died holding dataset %s: taking over", holder, name)
+                self.conn.eval(_DELETE_IF, 1, self.keys.collector_lease(name), holder)
+                got = self.conn.set(self.keys.collector_lease(name), self.lease_id, nx=True, ex=LEASE_TTL_S)
+            if got:
+                self.held[name] = renewed
+                taken.append(name)
+        for name in taken:
+            self._take_over(name)
+        return taken
 
-        A holder that is a dead process on this host is replaced at once; any other holder's
-        lease is waited out (a dead remote collector's lease lapses within LEASE_TTL_S).
-        """
-        deadline = time.monotonic() + wait_s
-        while not self.conn.set(self.keys.collector_lease, self.lease_id, nx=True, ex=LEASE_TTL_S):
-            holder = (self.conn.get(self.keys.collector_lease) or b"").decode()
-            if holder and _dead_local(holder):
-                log.warning("collector %s died without releasing its lease: taking over", holder)
-                self.conn.eval(_DELETE_IF, 1, self.keys.collector_lease, holder)
-                continue
-            if time.monotonic() > deadline:
-                raise LeaseHeld(f"another collector holds namespace {self.keys.namespace!r}: {holder or '?'}")
-            time.sleep(0.5)
-        self._lease_renewed = time.monotonic()
+    def _wants(self, name: str) -> bool:
+        return self.wanted is None or name in self.wanted
 
-    def renew_lease(self, force: bool = False) -> None:
-        """Keep the lease; take it again if Redis lost it (a failover or a restart from an older
-        snapshot forgets recent writes), but never from another collector that holds it."""
-        if not force and time.monotonic() - self._lease_renewed < LEASE_TTL_S / 3:
-            return
-        renewed = self.conn.eval(_RENEW, 1, self.keys.collector_lease, self.lease_id, LEASE_TTL_S)
-        if not renewed:
-            raise LeaseHeld(f"lost the collector lease of namespace {self.keys.namespace!r}")
-        self._lease_renewed = time.monotonic()
-        if renewed == 2:
-            log.warning(
-                "Redis had lost this collector's lease (a failover?): took it again; re-reading the files"
-            )
-            self.close()
-            self._files = {}
-            self.reconcile()
-            self.conn.set(self.keys.collector_ready, self.lease_id)
-
-    def fence(self) -> None:
-        """Self-fencing, checked before every write on this process's own clock (not when Redis
-        next answers): past this point the lease may have lapsed and another collector may be
-        appending to the same files, so this one stops."""
-        if time.monotonic() - self._lease_renewed > LEASE_TTL_S - FENCE_MARGIN_S:
-            # Renew first (a collector cut off from Redis blocks here and writes nothing); a lease
-            # another collector took meanwhile stops this one (LeaseHeld).
-            self.renew_lease(force=True)
-        held = time.monotonic() - self._lease_renewed
-        if held > LEASE_TTL_S - FENCE_MARGIN_S:
-            raise LeaseHeld(
-                f"not writing: the collector lease was last renewed {held:.0f} s ago and may lapse "
-                f"({LEASE_TTL_S} s); another collector may take over the folder"
-            )
-
-    def release_lease(self) -> None:
-        self.conn.delete(self.keys.collector_ready)
-        self.conn.eval(_DELETE_IF, 1, self.keys.collector_lease, self.lease_id)
-
-    def start(self) -> None:
-        self.acquire_lease()
-        self.conn.delete(self.keys.collector_ready)
+    def _take_over(self, name: str) -> None:
+        self.conn.delete(self.keys.collector_ready(name))
         try:
-            self.conn.xgroup_create(self.keys.results, self.keys.results_group, id="0", mkstream=True)
+            self.conn.xgroup_create(self.keys.results(name), self.keys.results_group, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        self.reconcile()
-        self.conn.set(self.keys.collector_ready, self.lease_id)
+        self._unacked.add(name)
+        self._reconcile_dataset(name)
+        self.conn.set(self.keys.collector_ready(name), self.lease_id)
+        log.info("collector %s: holds dataset %s", self.lease_id, name, extra={"dataset": name})
+
+    def renew_leases(self, force: bool = False) -> None:
+        """Keep every lease held, in one round trip once a third of the TTL has passed; take one
+        again if Redis lost it (a failover or a restart from an older snapshot forgets recent
+        writes), but never from another collector: a lease another holds stops this one."""
+        now = time.monotonic()
+        if not self.held or (not force and all(now - t < LEASE_TTL_S / 3 for t in self.held.values())):
+            return
+        names = list(self.held)
+        with self.conn.pipeline(transaction=False) as pipe:
+            for name in names:
+                self._renew(
+                    keys=[self.keys.collector_lease(name)], args=[self.lease_id, LEASE_TTL_S], client=pipe
+                )
+            replies = pipe.execute()
+        lost = [name for name, renewed in zip(names, replies, strict=True) if not renewed]
+        if lost:
+            raise LeaseHeld(
+                f"lost the collector lease of {', '.join(lost)} in namespace {self.keys.namespace!r}"
+            )
+        for name, renewed in zip(names, replies, strict=True):
+            self.held[name] = now
+            if renewed == 2:
+                log.warning(
+                    "Redis had lost this collector's lease of %s (a failover?): took it again; "
+                    "re-reading its files",
+                    name,
+                    extra={"dataset": name},
+                )
+                self._close_files(name)
+                self._take_over(name)
+
+    def fence(self, names: Collection[str]) -> None:
+        """Self-fencing, checked before the files of ``names`` are touched, on this process's own
+        clock (not when Redis next answers): past this point a lease may have lapsed and another
+        collector may be appending to the same files, so this one stops."""
+        if any(self._held_for(n) > LEASE_TTL_S - FENCE_MARGIN_S for n in names):
+            # Renew first (a collector cut off from Redis blocks here and writes nothing); a lease
+            # another collector took meanwhile stops this one (LeaseHeld).
+            self.renew_leases(force=True)
+        for name in names:
+            held = self._held_for(name)
+            if held > LEASE_TTL_S - FENCE_MARGIN_S:
+                raise LeaseHeld(
+                    f"not writing: the collector lease of {name} was last renewed {held:.0f} s ago and "
+                    f"may lapse ({LEASE_TTL_S} s); another collector may take over its folder"
+                )
+
+    def _held_for(self, name: str) -> float:
+        renewed = self.held.get(name)
+        return float("inf") if renewed is None else time.monotonic() - renewed
+
+    def release_leases(self) -> None:
+        with self.conn.pipeline(transaction=False) as pipe:
+            for name in self.held:
+                pipe.eval(_DELETE_IF, 1, self.keys.collector_ready(name), self.lease_id)
+                pipe.eval(_DELETE_IF, 1, self.keys.collector_lease(name), self.lease_id)
+            pipe.execute()
+        self.held = {}
 
     def reconcile(self) -> None:
-        """Cut torn lines and mark in Redis every id on disk past the last checkpoint."""
-        for name in self._datasets():
+        """Cut torn lines and mark in Redis every id on disk past the last checkpoint, for every
+        dataset held (after a Redis failure: lines may be on disk whose ids were not marked)."""
+        self._settings = datasets_mod.load_all(self.conn, self.keys)
+        for name in list(self.held):
+            self._unacked.add(name)
             self._reconcile_dataset(name)
 
     def _reconcile_dataset(self, name: str) -> None:
+        # Reconciling writes too (torn tails cut, checkpoints, done bits, token counts): a collector
+        # that was cut off must know it still holds the folder before it touches any of it.
+        self.fence([name])
         for kind, filename in ((KIND_ERROR, ERRORS), (KIND_RECORD, RAW)):
             path = self.out / name / filename
             cut = cut_torn_tail(path)
@@ -232,18 +302,21 @@ class Collector:
         uncounted: list[dict] = []
         seen: set[int] = set()
         marked = 0
+        indexes: list[int] = []
         pipe = self.conn.pipeline(transaction=True)
         for _, obj in scan(path, offset):
             index = bit_index(obj["row"], obj["sample"], samples)
-            self._mark(pipe, name, kind, index)
+            indexes.append(index)
             if done is not None and not is_set(done, index) and index not in seen:
                 seen.add(index)
                 uncounted.append(obj)
             marked += 1
-            if len(pipe) >= 3000:
+            if len(indexes) >= 3000:
+                self._mark(pipe, name, kind, indexes)
                 tokens.add(pipe, self.keys, name, uncounted, None, live)
                 pipe.execute()
-                uncounted = []
+                indexes, uncounted = [], []
+        self._mark(pipe, name, kind, indexes)
         tokens.add(pipe, self.keys, name, uncounted, None, live)
         pipe.hset(self.keys.collector_offsets, field, size)
         pipe.execute()
@@ -252,53 +325,61 @@ class Collector:
                 "%s: marked %d ids found on disk past the checkpoint", path, marked, extra={"dataset": name}
             )
 
-    def _mark(self, pipe, name: str, kind: bytes, index: int) -> None:
-        pipe.setbit(self.keys.enqueued(name), index, 1)
+    def _mark(self, pipe, name: str, kind: bytes, indexes: list[int]) -> None:
+        set_bits(pipe, self.keys.enqueued(name), indexes)
         if kind == KIND_RECORD:
-            pipe.setbit(self.keys.done(name), index, 1)
-            pipe.setbit(self.keys.failed(name), index, 0)  # a record beats an earlier error
+            set_bits(pipe, self.keys.done(name), indexes)
+            set_bits(pipe, self.keys.failed(name), indexes, 0)  # a record beats an earlier error
         else:
-            pipe.setbit(self.keys.failed(name), index, 1)
-
-    def _datasets(self) -> list[str]:
-        self._settings = datasets.load_all(self.conn, self.keys)
-        return list(self._settings)
+            set_bits(pipe, self.keys.failed(name), indexes)
 
     # -- draining ---------------------------------------------------------------------------
 
     def read(self, block_ms: int) -> list[Item]:
-        """Entries delivered to us but not acknowledged (after a crash) first, then new ones."""
-        for start in ("0", ">"):
-            resp = self.conn.xreadgroup(
-                self.keys.results_group,
-                CONSUMER,
-                {self.keys.results: start},
-                count=self.batch,
-                block=block_ms if start == ">" else None,
-            )
-            entries = resp[0][1] if resp else []
-            if entries:
-                return [self._item(entry_id, fields) for entry_id, fields in entries]
-        return []
+        """From the streams of the datasets held: entries delivered before but not acknowledged
+        (after a crash, a failed write, or under the previous holder) first, then new ones."""
+        if time.monotonic() - self._pending_checked > PENDING_CHECK_S:
+            # A read sent before a partition can reach Redis after it, and deliver entries to
+            # nobody: they wait, delivered but unread, until a collector reads its pending ones.
+            self._pending_checked = time.monotonic()
+            self._unacked.update(self.held)
+        for name in list(self._unacked):
+            if name in self.held:
+                resp = self.conn.xreadgroup(
+                    self.keys.results_group, CONSUMER, {self.keys.results(name): "0"}, count=self.batch
+                )
+                if resp and resp[0][1]:
+                    return [self._item(name, entry_id, fields) for entry_id, fields in resp[0][1]]
+            self._unacked.discard(name)
+        if not self.held:
+            time.sleep(block_ms / 1000)
+            return []
+        resp = self.conn.xreadgroup(
+            self.keys.results_group,
+            CONSUMER,
+            {self.keys.results(name): ">" for name in self.held},
+            count=self.batch,
+            block=block_ms,
+        )
+        streams = {self.keys.results(name).encode(): name for name in self.held}
+        return [
+            self._item(streams[stream], entry_id, fields)
+            for stream, entries in resp or []
+            for entry_id, fields in entries
+        ]
 
     @staticmethod
-    def _item(entry_id: bytes, fields: dict) -> Item:
-        return Item(fields[b"kind"], loads(fields[b"data"]), entry_id, fields.get(b"lp"))
+    def _item(dataset: str, entry_id: bytes, fields: dict) -> Item:
+        return Item(fields[b"kind"], loads(fields[b"data"]), entry_id, fields.get(b"lp"), dataset)
 
     def write(self, items: list[Item]) -> int:
         """Append the new ones, fsync, then mark, checkpoint and acknowledge all in one MULTI."""
         if not items:
             return 0
         started = time.monotonic()
-        if {i.data.get("dataset") for i in items} - set(self._settings):
-            # A dataset enqueued after start-up may already have files here (a run resumed on
-            # a fresh Redis): what they hold must be marked before anything is appended.
-            known = set(self._settings)
-            for name in set(self._datasets()) - known:
-                self._reconcile_dataset(name)
         placed = []
         for item in items:
-            name = item.data.get("dataset")
+            name = item.dataset
             settings = self._settings.get(name)
             if settings is None:
                 log.error(
@@ -309,20 +390,30 @@ class Collector:
                 )
                 continue
             placed.append((item, name, bit_index(item.data["row"], item.data["sample"], settings.samples)))
+        by_dataset: dict[str, list[int]] = {}
+        for _, name, index in placed:
+            by_dataset.setdefault(name, []).append(index)
         with self.conn.pipeline(transaction=False) as pipe:
-            for _, name, index in placed:
-                pipe.getbit(self.keys.done(name), index)
-                pipe.getbit(self.keys.failed(name), index)
-            bits = pipe.execute()
-        self.fence()  # right before the files are touched: the reads above may have waited on Redis
+            for name, indexes in by_dataset.items():
+                get_bits(pipe, self.keys.done(name), indexes)
+                get_bits(pipe, self.keys.failed(name), indexes)
+            pipe.time()  # Redis's clock, for the token rate (genq/tokens.py)
+            *replies, (sec, usec) = pipe.execute()
+        bits: dict[tuple[str, int], tuple[int, int]] = {}
+        pairs = iter(replies)
+        for name, indexes in by_dataset.items():
+            done_bits, failed_bits = next(pairs), next(pairs)
+            for index, done, failed in zip(indexes, done_bits, failed_bits, strict=True):
+                bits[name, index] = (done, failed)
+        self.fence(by_dataset)  # right before the files are touched: the reads above may have waited on Redis
         seen: set[tuple[str, int]] = set()
         before = {key: f.synced_size for key, f in self._files.items()}  # where this batch began
         to_mark = []
         new_records: dict[str, list[dict]] = {}
         duplicates = 0
         try:
-            for n, (item, name, index) in enumerate(placed):
-                done, failed = bits[2 * n], bits[2 * n + 1]
+            for item, name, index in placed:
+                done, failed = bits[name, index]
                 if (name, index) in seen or done or (item.kind == KIND_ERROR and failed):
                     duplicates += 1
                     continue
@@ -343,20 +434,25 @@ class Collector:
                     f.roll_back(before.get(key, f.opened_size))
             raise WriteFailed(f"writing to {self.out} failed: {exc}") from exc
         self.duplicates += duplicates
-        now = tokens.redis_now(self.conn) if new_records else None
+        now = sec + usec / 1e6
         with self.conn.pipeline(transaction=True) as pipe:
+            marks: dict[tuple[str, bytes], list[int]] = {}
             for name, kind, index in to_mark:
-                self._mark(pipe, name, kind, index)
+                marks.setdefault((name, kind), []).append(index)
+            for (name, kind), indexes in marks.items():
+                self._mark(pipe, name, kind, indexes)
             for name, records in new_records.items():
                 tokens.add(pipe, self.keys, name, records, now, live=True)
             if offsets:
                 pipe.hset(self.keys.collector_offsets, mapping=offsets)
-            entry_ids = [item.entry_id for item, _, _ in placed if item.entry_id is not None]
-            if entry_ids:
-                pipe.xack(self.keys.results, self.keys.results_group, *entry_ids)
-                pipe.xdel(self.keys.results, *entry_ids)
-            for name, count in Counter(n for i, n, _ in placed if i.entry_id is not None).items():
-                pipe.hincrby(self.keys.in_stream, name, -count)
+            acked: dict[str, list[bytes]] = {}
+            for item, name, _ in placed:
+                if item.entry_id is not None:
+                    acked.setdefault(name, []).append(item.entry_id)
+            for name, entry_ids in acked.items():
+                pipe.xack(self.keys.results(name), self.keys.results_group, *entry_ids)
+                pipe.xdel(self.keys.results(name), *entry_ids)
+                pipe.hincrby(self.keys.in_stream, name, -len(entry_ids))
             pipe.execute()
         self.written += len(to_mark)
         metrics.written([(n, k) for n, k, _ in to_mark], new_records, duplicates, time.monotonic() - started)
@@ -381,7 +477,8 @@ class Collector:
         line in errors.jsonl yet. Call with the stream drained: a worker adds a job's error to the
         stream before RQ marks the job failed, so what is left has no error of its own."""
         items = []
-        for name, settings in self._settings.items():
+        for name in self.held:
+            settings = self._settings[name]
             queue = Queue(self.keys.queue_name(name), connection=self.conn, serializer="json")
             ids = FailedJobRegistry(queue=queue).get_job_ids()
             if not ids:
@@ -396,7 +493,8 @@ class Collector:
                 index = bit_index(*parsed, settings.samples)
                 if is_set(done, index) or is_set(failed, index):
                     continue
-                items.append(Item(KIND_ERROR, self._error_of_failed(job_id, rid, name, *parsed), None))
+                error = self._error_of_failed(job_id, rid, name, *parsed)
+                items.append(Item(KIND_ERROR, error, None, dataset=name))
         return items
 
     def _error_of_failed(self, job_id: str, rid: str, name: str, row: int, sample: int) -> dict:
@@ -425,17 +523,26 @@ class Collector:
     # -- state ------------------------------------------------------------------------------
 
     def work_left(self) -> int:
-        """Jobs queued or in flight, plus entries in the stream (for --burst)."""
-        total = int(self.conn.xlen(self.keys.results))
+        """Jobs of the datasets this collector is for that are queued or in flight, plus their
+        entries in the streams (for --burst)."""
+        names = [
+            n for n in datasets_mod.load_all(self.conn, self.keys) if self.wanted is None or n in self.wanted
+        ]
         with self.conn.pipeline(transaction=False) as pipe:
-            for name in datasets.load_all(self.conn, self.keys):
+            for name in names:
                 queue = Queue(self.keys.queue_name(name), connection=self.conn, serializer="json")
+                pipe.xlen(self.keys.results(name))
                 pipe.llen(queue.key)
                 pipe.llen(queue.intermediate_queue_key)
                 pipe.zcard(queue.started_job_registry.key)
                 pipe.zcard(queue.scheduled_job_registry.key)
-            return total + sum(pipe.execute())
+            return sum(pipe.execute())
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
+
+    def _close_files(self, name: str) -> None:
+        """Forget the open files of one dataset: they are re-read before the next write."""
+        for key in [k for k in self._files if k[0] == name]:
+            self._files.pop(key).close()

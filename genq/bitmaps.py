@@ -5,6 +5,8 @@ Redis numbers bits from the most significant bit of the first byte.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 
 def is_set(bitmap: bytes, index: int) -> bool:
     byte = index >> 3
@@ -19,3 +21,23 @@ def indexes(bitmap: bytes) -> list[int]:
             base = byte_no << 3
             out.extend(base + bit for bit in range(8) if byte & (0x80 >> bit))
     return out
+
+
+def set_bits(pipe, key: str, indexes: Iterable[int], value: int = 1) -> None:
+    """Queue one BITFIELD that sets every bit of ``indexes`` to ``value``: a SETBIT per job would
+    be a Redis command per job, and commands, not bits, are what Redis spends its CPU on."""
+    args: list[object] = []
+    for index in indexes:
+        args += ("SET", "u1", index, value)
+    if args:
+        pipe.execute_command("BITFIELD", key, *args)
+
+
+def get_bits(pipe, key: str, indexes: Sequence[int]) -> None:
+    """Queue one BITFIELD_RO reading the bits of ``indexes``; its reply is a list of 0s and 1s,
+    one per index. Nothing is queued for no indexes."""
+    args: list[object] = []
+    for index in indexes:
+        args += ("GET", "u1", index)
+    if args:
+        pipe.execute_command("BITFIELD_RO", key, *args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -11,23 +12,41 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from collector.cli import collect_command
-from collector.export import export_command
-from collector.stats import stats_command
 from genq import __version__, failures
 from genq import monitor as monitor_view
-from genq.dashboard import dashboard_command
 from genq.keys import Keys
-from genq.run import run_command
 from genq.settings import connect, option, redact, redis_options
 from genq.status import status
-from genq.verify import verify_command
-from producer.cli import enqueue_command
-from sim.cli import sim_server
-from worker.cli import worker_command
+
+# Each role's command, imported only when it runs (click's lazily loaded subcommands): a worker
+# starts without loading the collector, the dataset readers or the simulator.
+ROLES = {
+    "enqueue": "producer.cli.enqueue_command",
+    "worker": "worker.cli.worker_command",
+    "collect": "collector.cli.collect_command",
+    "export": "collector.export.export_command",
+    "stats": "collector.stats.stats_command",
+    "dashboard": "genq.dashboard.dashboard_command",
+    "run": "genq.run.run_command",
+    "verify": "genq.verify.verify_command",
+    "sim-server": "sim.cli.sim_server",
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *ROLES])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in ROLES:
+            module, attr = ROLES[name].rsplit(".", 1)
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(
+    cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
+)
 @click.version_option(__version__, prog_name="genq")
 def main() -> None:
     """genq: datasets of prompts in, synthetic training data out, nothing lost or duplicated."""
@@ -133,14 +152,3 @@ def retry_command(
     click.echo(
         f"retried {retried}" + (f"; {waiting} not in errors.jsonl yet, left for now" if waiting else "")
     )
-
-
-main.add_command(enqueue_command)
-main.add_command(worker_command)
-main.add_command(collect_command)
-main.add_command(export_command)
-main.add_command(stats_command)
-main.add_command(dashboard_command)
-main.add_command(run_command)
-main.add_command(verify_command)
-main.add_command(sim_server, "sim-server")

@@ -3,8 +3,9 @@
 Like RQ's own registries these are plain Redis structures, readable with redis-cli:
 
 - ``datasets``               hash   dataset name -> its fixed settings (JSON)
-- ``results``                stream records and errors on their way to disk
-- ``in_stream``              hash   dataset -> entries in ``results`` (moves with the stream, in one MULTI)
+- ``results:<name>``         stream the dataset's records and errors on their way to disk (one stream per
+                                    dataset, so each can drain through its own collector)
+- ``in_stream``              hash   dataset -> entries in its stream (moves with the stream, in one MULTI)
 - ``in_source``              hash   dataset -> jobs not enqueued yet, still in its files (``enqueue
                                     --max-queued``; gone once the enqueue has read every row)
 - ``enqueuing:<name>``       string an enqueue of the dataset is running (TTL 60 s, refreshed as it pushes)
@@ -17,14 +18,15 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
                                     in the MULTI that marks them done), live_tokens, first_at, last_at
 - ``ds:<name>:rate:<n>``     string completion tokens written to disk in the n-th 10 s bucket (expires in 1 h)
 - ``collector:offsets``      hash   file -> byte offset up to which its ids are marked in the bitmaps
-- ``collector:lease``        string the collector holding this namespace
-- ``collector:ready``        string the lease of the collector that has reconciled Redis with the disk
+- ``collector:lease:<name>`` string the collector holding the dataset (its stream and its files)
+- ``collector:ready:<name>`` string the lease of the collector that has reconciled Redis with the
+                                    dataset's files
 - ``attempts``               hash   job id -> sends charged to the prompt so far, across workers
 - ``spared``                 hash   job id -> sends the server failed and the prompt was spared (bounded)
 - ``crashes``                hash   job id -> server crashes it was in flight at (bounded: ``suspect_crash``)
 - ``turns``                  hash   job id -> the finished turns of a conversation job (JSON), so another
                                     worker goes on from the first unfinished one
-- ``maintenance``            string short lock so one worker at a time reaps abandoned jobs
+- ``maintenance``            string when anyone last reaped abandoned jobs (Redis time): one reap per interval
 - ``stranded:<queue>``       hash   job id -> when the reaper first saw it stranded in RQ's intermediate list
 - ``worker:<name>:retrying`` hash   dataset -> this worker's jobs waiting between attempts (TTL: the
                                     heartbeat TTL, refreshed every 2 s: a dead worker's lapses with its jobs)
@@ -64,9 +66,8 @@ class Keys:
     def datasets(self) -> str:
         return self.prefix + "datasets"
 
-    @property
-    def results(self) -> str:
-        return self.prefix + "results"
+    def results(self, dataset: str) -> str:
+        return f"{self.prefix}results:{dataset}"
 
     @property
     def results_group(self) -> str:
@@ -105,13 +106,11 @@ class Keys:
     def collector_offsets(self) -> str:
         return self.prefix + "collector:offsets"
 
-    @property
-    def collector_lease(self) -> str:
-        return self.prefix + "collector:lease"
+    def collector_lease(self, dataset: str) -> str:
+        return f"{self.prefix}collector:lease:{dataset}"
 
-    @property
-    def collector_ready(self) -> str:
-        return self.prefix + "collector:ready"
+    def collector_ready(self, dataset: str) -> str:
+        return f"{self.prefix}collector:ready:{dataset}"
 
     def stranded(self, queue_name: str) -> str:
         return f"{self.prefix}stranded:{queue_name}"

@@ -130,10 +130,16 @@ def workers_table(data: dict[str, Any]) -> RenderableType:
 
 def lag_line(data: dict[str, Any]) -> Text:
     stream = data["stream"]
-    if stream["collector"] is None:
-        who = Text("no collector running", style="bold red")
-    else:
+    holders = stream.get("collectors") or {}
+    orphans = sorted(name for name, holder in holders.items() if holder is None)
+    if stream["collector"] is not None:
         who = Text(f"collector {stream['collector']}")
+    elif not orphans or len(orphans) < len(holders):
+        count = len({h for h in holders.values() if h})
+        who = Text(f"{count} collectors" + (f", none for {', '.join(orphans)}" if orphans else ""))
+        who.stylize("bold red" if orphans else "")
+    else:
+        who = Text("no collector running", style="bold red")
     oldest = stream["oldest_pending_s"]
     return Text.assemble(
         who,

@@ -182,7 +182,8 @@ def run_command(
             enqueue(name, paths, "--register-only")
         collector = _start(genq_command("collect", "--out", str(out)), logs / "collector.log", env)
         children.append(collector)
-        _wait_ready(conn, keys, collector, 60)
+        for name, _ in groups:
+            _wait_ready(conn, keys, name, collector, 60)
         for name, paths in groups:
             enqueue(name, paths)
         worker_argv = genq_command(
@@ -232,12 +233,12 @@ def _start(
         return spawn(argv, env=env, stdout=stdout if stdout is not None else log, stderr=log)
 
 
-def _wait_ready(conn, keys: Keys, collector: subprocess.Popen, timeout: float) -> None:
-    """The collector has reconciled Redis with the files on disk: only then is enqueue's
-    'already done' check complete."""
+def _wait_ready(conn, keys: Keys, name: str, collector: subprocess.Popen, timeout: float) -> None:
+    """The collector holds the dataset and has reconciled Redis with its files on disk: only
+    then is enqueue's 'already done' check complete."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        lease, ready = conn.mget(keys.collector_lease, keys.collector_ready)
+        lease, ready = conn.mget(keys.collector_lease(name), keys.collector_ready(name))
         if lease and lease == ready:
             return
         if collector.poll() is not None:
@@ -273,7 +274,7 @@ def _follow(conn, keys: Keys, pool, collector, worker_argv, logs: Path, env) -> 
         elif time.monotonic() - last_print >= 5:
             click.echo(line, err=True)
             last_print = time.monotonic()
-        if status_mod.finished(counts) and int(conn.xlen(keys.results)) == 0:
+        if status_mod.finished(counts) and status_mod.stream_lag(conn, keys)["length"] == 0:
             if tty:
                 click.echo("", err=True)
             click.echo(line, err=True)

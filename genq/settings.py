@@ -7,7 +7,9 @@ added without its variable.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,8 @@ import redis
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_NAMESPACE = "genq"
 ENV_PREFIX = "GENQ_"
+
+log = logging.getLogger("genq.redis")
 
 
 def env_name(flag: str) -> str:
@@ -138,6 +142,27 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
         return _through_sentinel(*target, parts, kwargs)
     kwargs.pop("ssl", None)
     return redis.Redis.from_url(url, **kwargs)
+
+
+def wait_for_redis(conn: redis.Redis, url: str, give_up_after: float | None = None) -> None:
+    """Return once Redis answers, retrying with backoff: a role started beside its Redis (compose
+    under podman, which ignores health conditions; systemd after a reboot) may be up first. A
+    refused password fails at once; so does a Redis still unreachable after ``give_up_after``
+    seconds (None: wait as long as it takes, as the daemons do for a Redis restarted mid-run)."""
+    deadline = None if give_up_after is None else time.monotonic() + give_up_after
+    delay = 0.5
+    while True:
+        try:
+            conn.ping()
+            return
+        except (redis.AuthenticationError, redis.exceptions.AuthorizationError):
+            raise
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise
+            log.warning("Redis unreachable at %s (%s); retrying in %.1f s", redact(url), exc, delay)
+        time.sleep(delay)
+        delay = min(delay * 2, 5.0)  # a Redis on its way up is met within seconds
 
 
 def sentinel_target(url: str) -> tuple[list[tuple[str, int]], str, int] | None:

@@ -124,20 +124,31 @@ def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
 
 
 def stream_lag(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str, Any]:
-    """Results not yet on disk: the collector deletes what it acknowledges, so the stream's first
-    entry is the oldest one pending, and its id carries the time it was added (Redis's clock)."""
+    """Results not yet on disk, across the datasets' streams: a collector deletes what it
+    acknowledges, so a stream's first entry is its oldest one pending, and its id carries the time
+    it was added (Redis's clock). With the collector holding each dataset."""
+    names = sorted(datasets.load_all(conn, keys))
     with conn.pipeline(transaction=False) as pipe:
-        pipe.xlen(keys.results)
-        pipe.xrange(keys.results, count=1)
-        pipe.get(keys.collector_lease)
+        for name in names:
+            pipe.xlen(keys.results(name))
+            pipe.xrange(keys.results(name), count=1)
+            pipe.get(keys.collector_lease(name))
         pipe.time()
-        length, first, holder, (sec, usec) = pipe.execute()
+        *raw, (sec, usec) = pipe.execute()
     now = now if now is not None else sec + usec / 1e6
-    oldest = max(0.0, now - int(first[0][0].split(b"-")[0]) / 1000) if first else 0.0
+    length, firsts, holders = 0, [], {}
+    for name, (n, first, holder) in zip(names, zip(raw[::3], raw[1::3], raw[2::3], strict=True), strict=True):
+        length += int(n)
+        if first:
+            firsts.append(int(first[0][0].split(b"-")[0]) / 1000)
+        holders[name] = holder.decode() if holder else None
+    distinct = sorted({h for h in holders.values() if h})
     return {
-        "length": int(length),
-        "oldest_pending_s": round(oldest, 1),
-        "collector": holder.decode() if holder else None,
+        "length": length,
+        "oldest_pending_s": round(max(0.0, now - min(firsts)), 1) if firsts else 0.0,
+        # The one collector holding every dataset (the usual case), else each dataset's.
+        "collector": distinct[0] if len(distinct) == 1 and all(holders.values()) else None,
+        "collectors": holders,
     }
 
 

@@ -14,12 +14,16 @@ from genq import backends, datasets
 from genq.keys import Keys, validate_name
 from genq.sampling import Sampling, SamplingError, sampling_options
 from genq.sampling import check as check_sampling
-from genq.settings import connect, option, redis_options
+from genq.settings import connect, option, redact, redis_options, wait_for_redis
 from genq.templates import ChatTemplate, TemplateError
 from producer import sources, thinking
 from producer.context import Limits
 from producer.enqueue import Options, Summary, enqueue_dataset
 from producer.formats import CHAT_FORMATS, FIELDS, FORMATS, Shape
+
+# A Redis started beside enqueue (compose, where podman honours no health condition) gets this long
+# to answer before enqueue gives up.
+REDIS_START_WAIT_S = 60.0
 
 
 def dataset_name(dataset: str | None, files: tuple[str, ...]) -> str:
@@ -270,6 +274,10 @@ def enqueue_command(
         max_queued=max_queued,
     )
     conn = connect(redis_url)
+    try:
+        wait_for_redis(conn, redis_url, give_up_after=REDIS_START_WAIT_S)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise click.ClickException(f"Redis unreachable at {redact(redis_url)}: {exc}") from exc
     try:
         summary = enqueue_dataset(
             conn,

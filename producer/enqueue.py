@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from rq import Queue, Retry
+from rq import Queue
 
 from genq import datasets
-from genq.bitmaps import is_set
+from genq.bitmaps import is_set, set_bits
 from genq.conversation import first_turn
 from genq.keys import Keys
-from genq.schema import ABANDON_REQUEUES, JOB_FUNC, JobSpec, bit_index, record_id
+from genq.schema import ABANDON_REQUEUES, JobSpec, bit_index, record_id
 from genq.templates import ChatTemplate
-from producer import sources
+from producer import rq_jobs, sources
 from producer.context import Limits, check_fits, check_vocab
 from producer.formats import Shape
 from producer.readers import Rejected, Row, read_dataset
@@ -38,7 +38,11 @@ from producer.sources import SourceError
 BATCH = 1000
 RENDER_BATCH = 256  # conversations per apply_chat_template call
 POLL_S = 0.05  # how often a full queue is looked at again (--max-queued): one LLEN
-RESULT_TTL_S = 60  # the record travels through the stream; RQ keeps only a tiny return value
+JOBS = rq_jobs.JobOptions(
+    timeout=-1,  # the worker enforces deadlines that follow max_new_tokens (decision 8)
+    result_ttl=60,  # the record travels through the stream; RQ keeps the finished job a minute
+    retries=ABANDON_REQUEUES,
+)
 
 Report = Callable[[str], None]
 
@@ -230,7 +234,7 @@ class _Pusher:
         self.queue = Queue(keys.queue_name(settings.name), connection=conn, serializer="json")
         self.size = BATCH if options.max_queued is None else max(1, min(BATCH, options.max_queued // 2))
         self.expected_jobs = expected_rows * settings.samples if expected_rows is not None else None
-        self.batch: list[tuple[int, Any]] = []
+        self.batch: list[tuple[int, rq_jobs.Job]] = []
         self.rejected: list[int] = []
 
     def reject(self, row: int) -> None:
@@ -244,8 +248,7 @@ class _Pusher:
         if not self.rejected:
             return
         with self.conn.pipeline(transaction=False) as pipe:
-            for index in self.rejected:
-                pipe.setbit(self.keys.rejected(self.settings.name), index, 1)
+            set_bits(pipe, self.keys.rejected(self.settings.name), self.rejected)
             pipe.execute()
         self.rejected = []
 
@@ -266,9 +269,8 @@ class _Pusher:
                 time.sleep(POLL_S)
         with self.conn.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.enqueuing(name), ALIVE, ex=ALIVE_TTL_S)
-            self.queue.enqueue_many([data for _, data in batch], pipeline=pipe)
-            for index, _ in batch:
-                pipe.setbit(self.keys.enqueued(name), index, 1)
+            rq_jobs.push(pipe, self.queue, [job for _, job in batch], JOBS)
+            set_bits(pipe, self.keys.enqueued(name), [index for index, _ in batch])
             if self.expected_jobs is not None:
                 # Jobs of the rows after this batch: still in the files (`genq status` counts them queued).
                 left = max(0, self.expected_jobs - batch[-1][0] - 1)
@@ -276,7 +278,7 @@ class _Pusher:
             pipe.execute()
         return len(batch)
 
-    def _job_data(self, item: Row, sample: int) -> Any:
+    def _job_data(self, item: Row, sample: int) -> rq_jobs.Job:
         settings, options, prompt = self.settings, self.options, item.prompt
         params = dict(settings.sampling_params)
         if settings.samples > 1:
@@ -304,15 +306,7 @@ class _Pusher:
             template=options.template.spec() if options.template and options.shape.turns == "all" else None,
         )
         described = f"{settings.name} row {item.row}" + (f" sample {sample}" if settings.samples > 1 else "")
-        return self.queue.prepare_data(
-            JOB_FUNC,
-            kwargs=spec.to_kwargs(),
-            job_id=self.keys.job_id(spec.id),
-            description=described,
-            timeout=-1,  # the worker enforces deadlines that follow max_new_tokens (decision 8)
-            result_ttl=RESULT_TTL_S,
-            retry=Retry(max=ABANDON_REQUEUES),
-        )
+        return self.keys.job_id(spec.id), spec.to_kwargs(), described
 
 
 def enqueue_dataset(

@@ -229,7 +229,8 @@ def test_rq_info_reaping_abandoned_jobs_loses_nothing(
     prompts = write_prompts(data, 20)
     assert procs.run("enqueue", data, "--max-new-tokens", "2000").returncode == 0
     victim = procs.start("worker", "--server", url, "--concurrency", "10", "--heartbeat-ttl", "5")
-    wait_until(lambda: status_json(procs)["datasets"]["reaped"]["in_flight"] == 10, 30, "10 jobs in flight")
+    # 10 sent and 1 taken ahead (WorkerConfig.prefetch): all 11 die with the worker.
+    wait_until(lambda: status_json(procs)["datasets"]["reaped"]["in_flight"] == 11, 30, "11 jobs in flight")
     sigkill(victim)
     time.sleep(6)  # past the heartbeat TTL: the jobs are abandoned, nobody has reaped them yet
     info = subprocess.run(

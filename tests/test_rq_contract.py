@@ -32,13 +32,15 @@ def test_rq_info_lists_the_worker_busy_and_its_jobs_executing(
     prompts = write_prompts(data, 30)
     assert procs.run("enqueue", data, "--max-new-tokens", "2000").returncode == 0
     worker = procs.start("worker", "--server", url, "--concurrency", "12")
-    wait_until(lambda: status_json(procs)["datasets"]["contract"]["in_flight"] == 12, 30, "12 jobs in flight")
+    # 12 sent and one taken ahead for the next free slot (WorkerConfig.prefetch): all 13 are
+    # started jobs of this worker in RQ's registry, and come back if it dies.
+    wait_until(lambda: status_json(procs)["datasets"]["contract"]["in_flight"] == 13, 30, "13 jobs in flight")
 
     queue = f"{namespace}.contract"
     for flags in (("-S", "json"), ()):  # operators run it without the serializer flag too
         info = rq_info(redis_url, *flags)
         line = next(line for line in info.splitlines() if line.startswith(queue))
-        assert re.search(r"\b12 executing\b", line), info
+        assert re.search(r"\b13 executing\b", line), info
         assert re.search(rf"genq\.{namespace}\.\S+ \(.*\): busy {re.escape(queue)}", info), info
 
     collector = procs.start("collect", "--out", out)
@@ -51,3 +53,154 @@ def test_rq_info_lists_the_worker_busy_and_its_jobs_executing(
     assert worker.wait(60) == 0, log_of(worker)
     assert collector.wait(60) == 0, log_of(collector)
     check_records(out, "contract", prompts, {"max_new_tokens": 2000}, **LONG)
+
+
+def _state(conn, queue, job_id: str) -> dict:
+    """Everything RQ keeps about one job and its executions, values that vary between two runs
+    (times, execution ids) replaced by what they are."""
+    from rq.job import Job
+
+    def shape(key: str) -> dict:
+        kind = conn.type(key).decode()
+        ttl = conn.ttl(key)
+        value: object
+        if kind == "hash":
+            value = {k.decode(): v.decode(errors="replace") for k, v in conn.hgetall(key).items()}
+        elif kind == "zset":
+            value = [m.decode() for m in conn.zrange(key, 0, -1)]
+        else:
+            value = kind
+        return {"type": kind, "expires": ttl > 0, "value": value}
+
+    job = Job.fetch(job_id, connection=conn, serializer="json")
+    keys = sorted(k.decode() for k in conn.scan_iter(f"rq:execution*:{job_id}*"))
+    return {
+        "job": {k: v for k, v in shape(job.key)["value"].items() if k not in {"data", "description"}},
+        "job_expires": shape(job.key)["expires"],
+        "executions": [(k.replace(job_id, "JOB").split(":", 3)[:3], shape(k)["type"]) for k in keys],
+        "started": [m.split(":")[0] for m in queue.started_job_registry.get_job_ids(cleanup=False)],
+        "finished": queue.finished_job_registry.get_job_ids(cleanup=False),
+        "status": job.get_status(),
+    }
+
+
+def _normalize(state: dict, job_id: str, worker: str) -> dict:
+    times = ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat")
+    state["job"] = {k: ("TIME" if k in times and v else v) for k, v in state["job"].items()}
+    state["job"] = {k: ("WORKER" if v == worker else v) for k, v in state["job"].items()}
+    state["started"] = ["JOB" if m == job_id else m for m in state["started"]]
+    state["finished"] = ["JOB" if m == job_id else m for m in state["finished"]]
+    return state
+
+
+def test_genq_takes_and_finishes_jobs_writing_what_rqs_own_worker_writes(conn, namespace):
+    """worker/rq_state.py writes RQ's keys itself, for many jobs per round trip. One job goes
+    through RQ's own worker code (dequeue, Execution.create, prepare_for_execution,
+    handle_job_success), one through genq's take script and batched finish: RQ must read the
+    same state back after each step. Allowed difference: RQ's Result stream, which genq leaves out."""
+    from rq import Queue, Worker
+    from rq.executions import Execution
+
+    from worker import rq_state
+
+    queue = Queue(f"{namespace}.contract", connection=conn, serializer="json")
+    for name in ("theirs", "ours"):
+        queue.enqueue_call(
+            "genq.jobs.generate", kwargs={"id": name}, job_id=f"{namespace}-{name}", result_ttl=60
+        )
+    rq_worker = Worker([queue], connection=conn, serializer="json", name=f"{namespace}-rq")
+    rq_worker.register_birth()
+
+    # RQ's own worker, step by step.
+    theirs = queue.dequeue_any([queue], None, connection=conn, serializer=queue.serializer)[0]
+    with conn.pipeline() as pipe:
+        execution = Execution.create(theirs, 60, pipeline=pipe, worker_name=rq_worker.name)
+        theirs.prepare_for_execution(rq_worker.name, pipeline=pipe)
+        pipe.execute()
+    conn.lrem(queue.intermediate_queue_key, 1, theirs.id)
+    started_theirs = _normalize(_state(conn, queue, theirs.id), theirs.id, rq_worker.name)
+
+    # genq's take script.
+    script = conn.register_script(rq_state.TAKE)
+    keys = (rq_worker.key, f"{namespace}:crashes", f"{namespace}:attempts")
+    full, popped = rq_state.take(script, [(queue, f"{namespace}:stream")], 1, rq_worker.name, keys, 100, 60)
+    assert (full, [p.state for p in popped]) == ([], ["started"])
+    ours = popped[0]
+    assert ours.job.kwargs == {"id": "ours"} and ours.attempt == 1
+    started_ours = _normalize(_state(conn, queue, ours.job_id), ours.job_id, rq_worker.name)
+    registry = conn.zrange(queue.started_job_registry.key, 0, -1, withscores=True)
+    scores = {member.decode().split(":")[0]: score for member, score in registry}
+    assert set(scores) == {theirs.id, ours.job_id} and abs(scores[theirs.id] - scores[ours.job_id]) <= 2
+    started_theirs["started"] = started_ours["started"] = ["JOB"]  # each sees the other in the registry too
+    assert started_ours == started_theirs
+
+    # Finishing: RQ's handle_job_success, then genq's finish of its job.
+    theirs.ended_at = rq_state.now()
+    theirs._result = {"tokens": 1}
+    rq_worker.execution = execution
+    rq_worker.handle_job_success(theirs, queue, theirs.started_job_registry)
+    with conn.pipeline() as pipe:
+        rq_state.finish(pipe, rq_worker.key, [(ours.job, ours.execution)], rq_state.now())
+        pipe.execute()
+    done_theirs = _normalize(_state(conn, queue, theirs.id), theirs.id, rq_worker.name)
+    done_ours = _normalize(_state(conn, queue, ours.job_id), ours.job_id, rq_worker.name)
+    for state in (done_theirs, done_ours):
+        state["finished"] = ["JOB"]
+    assert done_ours == done_theirs
+    assert done_ours["status"] == "finished" and done_ours["job_expires"] and done_ours["started"] == []
+    assert conn.exists(f"rq:results:{theirs.id}") and not conn.exists(f"rq:results:{ours.job_id}")
+    assert int(conn.hget(rq_worker.key, "successful_job_count")) == 2
+    assert conn.hget(rq_worker.key, "current_job") is None
+
+
+def test_jobs_pushed_by_genq_read_back_as_rqs_enqueue_many_writes_them(conn, redis_url, namespace):
+    """producer/rq_jobs.py writes RQ's job hashes itself. A short and a long job each, pushed by
+    RQ's enqueue_many and by genq: RQ must read every attribute back alike, queue them in order,
+    and `rq info` count them; genq's hashes only leave out fields RQ writes empty."""
+    from rq import Queue, Retry
+    from rq.job import Job
+
+    from genq.schema import JOB_FUNC
+    from producer import rq_jobs
+    from producer.enqueue import JOBS
+
+    kwargs = {"short": {"id": "s", "input_ids": [1, 2]}, "long": {"id": "l", "input_ids": list(range(400))}}
+    theirs = Queue(f"{namespace}.theirs", connection=conn, serializer="json")
+    ours = Queue(f"{namespace}.ours", connection=conn, serializer="json")
+    retry = Retry(max=JOBS.retries, interval=JOBS.retry_interval)
+    jobs = [
+        theirs.prepare_data(
+            JOB_FUNC,
+            kwargs=kw,
+            job_id=f"{namespace}-theirs-{name}",
+            description=name,
+            timeout=JOBS.timeout,
+            result_ttl=JOBS.result_ttl,
+            retry=retry,
+        )
+        for name, kw in kwargs.items()
+    ]
+    with conn.pipeline() as pipe:
+        theirs.enqueue_many(jobs, pipeline=pipe)
+        pipe.execute()
+    with conn.pipeline() as pipe:
+        rq_jobs.push(pipe, ours, [(f"{namespace}-ours-{n}", kw, n) for n, kw in kwargs.items()], JOBS)
+        pipe.execute()
+
+    for name in kwargs:
+        a = Job.fetch(f"{namespace}-theirs-{name}", connection=conn, serializer="json")
+        b = Job.fetch(f"{namespace}-ours-{name}", connection=conn, serializer="json")
+        # What RQ would write back for each (its own view of the job), payload decoded.
+        read = [{k: v for k, v in j.to_dict().items() if k != "data"} for j in (a, b)]
+        for attr in ("origin", "enqueued_at", "created_at"):  # other queue; another moment
+            assert read[0].pop(attr) and read[1].pop(attr)
+        assert read[0] == read[1]
+        assert (
+            (b.func_name, b.args, b.kwargs) == (a.func_name, a.args, a.kwargs) == (JOB_FUNC, [], kwargs[name])
+        )
+        assert b.get_status() == "queued" and b.retries_left == JOBS.retries and b.timeout == JOBS.timeout
+        theirs_fields = {k for k, v in conn.hgetall(a.key).items() if v != b""}
+        assert set(conn.hgetall(b.key)) <= theirs_fields
+    assert ours.get_job_ids() == [f"{namespace}-ours-{n}" for n in kwargs]
+    assert ours.count == 2
+    assert re.search(rf"{re.escape(ours.name)} \|\S* 2, 0 executing", rq_info(redis_url, "-Q", ours.name))

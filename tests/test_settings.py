@@ -29,7 +29,10 @@ from tests.helpers import genq_argv, need, wait_until, write_prompts
 
 def walk(group: click.Group, path: tuple[str, ...] = ()) -> Iterator[tuple[str, click.Command]]:
     """Every command under ``group``, nested groups included, as ('genq worker', command)."""
-    for name, cmd in group.commands.items():
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
+        assert cmd is not None
         yield " ".join(("genq", *path, name)), cmd
         if isinstance(cmd, click.Group):
             yield from walk(cmd, (*path, name))
@@ -66,7 +69,8 @@ def test_every_flag_has_its_genq_variable(name):
 
 def test_variables_reach_the_command(monkeypatch):
     """A variable sets its flag; a flag on the command line wins."""
-    worker = main.commands["worker"]
+    worker = main.get_command(click.Context(main), "worker")
+    assert worker is not None
     monkeypatch.setenv("GENQ_SERVER", "http://gpu7:30000")
     monkeypatch.setenv("GENQ_CONCURRENCY", "64")
     monkeypatch.setenv("GENQ_BURST", "true")

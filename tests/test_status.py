@@ -37,8 +37,9 @@ def test_status_reads_known_counters_exactly(conn, namespace):
     conn.rpush(queue, "a", "b")
     conn.zadd(f"rq:wip:{keys.queue_name('known')}", {"c:1": NOW + 60, "d:1": NOW + 60, "e:1": NOW + 60})
     conn.hset(keys.in_stream, "known", 1)
-    conn.xadd(keys.results, {"kind": "record"}, id=f"{int((NOW - 7) * 1000)}-0")
-    conn.set(keys.collector_lease, "host:1:abc")
+    conn.xadd(keys.results("known"), {"kind": "record"}, id=f"{int((NOW - 7) * 1000)}-0")
+    for name in ("known", "legacy"):
+        conn.set(keys.collector_lease(name), "host:1:abc")
     worker = f"{keys.worker_prefix}host.4242.abc"
     conn.sadd("rq:workers", f"rq:worker:{worker}")
     beat = dt.datetime.fromtimestamp(NOW - 3, dt.UTC)
@@ -135,7 +136,12 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "heartbeat_age_s": 3.0,
         }
     ]
-    assert data["stream"] == {"length": 1, "oldest_pending_s": 7.0, "collector": "host:1:abc"}
+    assert data["stream"] == {
+        "length": 1,
+        "oldest_pending_s": 7.0,
+        "collector": None,  # "fresh" has no collector
+        "collectors": {"fresh": None, "known": "host:1:abc", "legacy": "host:1:abc"},
+    }
 
 
 @pytest.mark.slow

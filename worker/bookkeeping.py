@@ -1,13 +1,14 @@
 """RQ bookkeeping for many jobs in flight in one process (decision 1).
 
 RQ's ``BaseWorker`` holds a single ``execution``; this subclass gives each in-flight job its
-own :class:`rq.executions.Execution` and points ``self.execution`` at the right one just
-before calling RQ's own ``handle_job_success`` / ``handle_job_failure``. Every method here is
-synchronous and runs on one dedicated thread, so that swap is never interleaved.
+own :class:`rq.executions.Execution`. Jobs are taken and finished in batches, writing RQ's keys
+as RQ's worker does (worker/rq_state.py); the rare failure goes through RQ's own
+``handle_job_failure``, with ``self.execution`` pointed at the job's just before. Every method
+here is synchronous and runs on one dedicated thread, so that swap is never interleaved.
 
-RQ internals relied on (pinned ``rq==2.12.*``): ``Execution.create`` / ``heartbeat`` /
-``delete``, ``Job.prepare_for_execution``, ``Queue.lmove`` into the intermediate queue,
-``StartedJobRegistry.cleanup`` for abandoned jobs, ``IntermediateQueue.cleanup``.
+RQ internals relied on (pinned ``rq==2.12.*``): the keys of worker/rq_state.py,
+``Execution.heartbeat`` / ``delete``, ``handle_job_failure``, ``StartedJobRegistry.cleanup`` for
+abandoned jobs, ``IntermediateQueue.cleanup``.
 """
 
 from __future__ import annotations
@@ -15,23 +16,29 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from itertools import islice
 
 import redis
 from rq import Queue, worker_registration
 from rq.executions import Execution
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
 from genq import datasets
 from genq.keys import Keys
 from genq.maintenance import reap
-from genq.schema import KIND_ERROR, KIND_RECORD, JobSpec, dumps, loads
+from genq.schema import KIND_ERROR, JobSpec, dumps, loads
+from worker import rq_state
 
 log = logging.getLogger("genq.worker")
+# An execution not heartbeated for this part of its TTL is taken for lapsed (heartbeats run every
+# sixth of the TTL, so only an outage gets there).
+ALIVE_FOR = 0.75
 
 
 @dataclass
@@ -43,7 +50,27 @@ class Taken:
     execution: Execution
     spec: JobSpec
     crashes: int = 0  # server crashes it was in flight at (the ``crashes`` hash): on probation if > 0
+    charged: int = 0  # its first attempt, charged when it was taken (0: not yet)
     finishing: bool = False  # its result is being handed to Redis: never requeue it
+    handed_over: bool = False  # its result is in Redis: never heartbeat it again
+    # When its execution was last known alive in Redis (taken or heartbeated; this process's
+    # monotonic clock): a job taken ahead that waited past its TTL may already run elsewhere.
+    beat_at: float = field(default_factory=time.monotonic)
+
+    def may_have_lapsed(self, ttl: int) -> bool:
+        """Whether its execution may have expired in Redis (not heartbeated for most of the TTL):
+        then RQ's abandoned-job cleanup may have queued it for another worker."""
+        return time.monotonic() - self.beat_at > ttl * ALIVE_FOR
+
+
+@dataclass
+class Finished:
+    """A job's ending on its way to Redis: a record (with its logprobs frame) or an error."""
+
+    taken: Taken
+    kind: bytes
+    data: dict
+    logprobs: bytes | None = None
 
 
 class Bookkeeper(BaseWorker):
@@ -64,6 +91,7 @@ class Bookkeeper(BaseWorker):
             job_monitoring_interval=heartbeat_ttl,
         )
         self._rotation = 0
+        self._take_script = conn.register_script(rq_state.TAKE)
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -96,78 +124,50 @@ class Bookkeeper(BaseWorker):
 
     # -- taking jobs ------------------------------------------------------------------------
 
-    def take(self, limit: int) -> list[Taken]:
-        """Move up to ``limit`` jobs from the queues into this worker, each with an Execution.
-
-        ``LMOVE`` into RQ's intermediate queue first, so a crash between the move and the
-        Execution leaves the id where RQ's intermediate-queue cleanup finds it.
-        """
-        ids: list[tuple[Queue, str]] = []
+    def take(self, limit: int, stream_limit: int) -> tuple[list[str], list[Taken]]:
+        """Start up to ``limit`` jobs from the queues (in turn, so every dataset gets served), in
+        one round trip (worker/rq_state.py); with the datasets skipped because their result stream
+        holds ``stream_limit`` entries (decision 10: their collector is behind)."""
         queues = self._ordered_queues[self._rotation :] + self._ordered_queues[: self._rotation]
         self._rotation = (self._rotation + 1) % max(1, len(self._ordered_queues))
-        for queue in queues:
-            want = limit - len(ids)
-            if want <= 0:
-                break
-            with self.connection.pipeline(transaction=False) as pipe:
-                for _ in range(want):
-                    pipe.lmove(queue.key, queue.intermediate_queue_key)
-                moved = [m for m in pipe.execute() if m is not None]
-            ids.extend((queue, m.decode()) for m in moved)
-        if not ids:
-            return []
-        jobs = Job.fetch_many([i for _, i in ids], self.connection, serializer=self.serializer)
-        crashes = self.connection.hmget(self.keys.crashes, [i for _, i in ids])
+        if not queues:
+            return [], []
+        streams = [(q, self.keys.results(self._dataset(q))) for q in queues]
+        keys = (self.key, self.keys.crashes, self.keys.attempts)
+        full, popped = rq_state.take(
+            self._take_script, streams, limit, self.name, keys, stream_limit, self.heartbeat_ttl
+        )
         taken: list[Taken] = []
-        with self.connection.pipeline() as pipe:
-            for (queue, job_id), job, crashed in zip(ids, jobs, crashes, strict=True):
-                pipe.lrem(queue.intermediate_queue_key, 1, job_id)
-                if job is None:
-                    # Its hash is gone (deleted by hand, or expired): there is nothing to run, and
-                    # `genq status` will show the job as unaccounted for.
-                    log.warning(
-                        "job %s was queued but no longer exists in Redis: skipped",
-                        job_id,
-                        extra={"job_id": job_id, "worker": self.name},
-                    )
-                    continue
-                if job.get_status(refresh=False) in (JobStatus.FINISHED, JobStatus.FAILED):
-                    # Finished elsewhere while its id waited in a queue (an RQ requeue that raced the
-                    # result): running it again would pay for the generation twice.
-                    log.warning(
-                        "job %s was queued but has already %s: skipped",
-                        job_id,
-                        job.get_status(refresh=False),
-                        extra={"job_id": job_id, "worker": self.name},
-                    )
-                    continue
-                if "unserialized" in job.meta:
-                    # `rq info` or rq-dashboard without the JSON serializer re-saved the meta as
-                    # pickle when it requeued the job; genq keeps nothing in meta, so drop it.
-                    job.meta = {}
-                    pipe.hset(job.key, "meta", job.serializer.dumps({}))
-                try:
-                    spec = JobSpec.from_kwargs(job.kwargs)
-                except Exception as exc:  # noqa: BLE001 - a payload we cannot read fails, loudly
-                    log.error(
-                        "job %s: unreadable payload (%s); failing it",
-                        job_id,
-                        exc,
-                        extra={"job_id": job_id, "worker": self.name},
-                    )
-                    self._fail_unreadable(job, queue, str(exc))
-                    continue
-                execution = Execution.create(job, self.heartbeat_ttl, pipeline=pipe, worker_name=self.name)
-                job.prepare_for_execution(self.name, pipeline=pipe)
-                taken.append(Taken(job, queue, execution, spec, int(crashed or 0)))
-            if taken:
-                self.set_state(WorkerStatus.BUSY, pipeline=pipe)
-                self.set_current_job_id(taken[-1].job.id, pipeline=pipe)
-            pipe.execute()
-        return taken
+        for p in popped:
+            ctx = {"job_id": p.job_id, "worker": self.name}
+            if p.job is None or p.execution is None:
+                # Its hash is gone (deleted by hand, or expired): `genq status` shows it unaccounted
+                # for. Or it finished elsewhere while its id waited in a queue (an RQ requeue that
+                # raced the result): running it again would pay for the generation twice.
+                why = "no longer exists in Redis" if p.state == "missing" else f"has already {p.state}"
+                log.warning("job %s was queued but %s: skipped", p.job_id, why, extra=ctx)
+                continue
+            if "unserialized" in p.job.meta:
+                # `rq info` or rq-dashboard without the JSON serializer re-saved the meta as
+                # pickle when it requeued the job; genq keeps nothing in meta, so drop it.
+                p.job.meta = {}
+                self.connection.hset(p.job.key, "meta", p.job.serializer.dumps({}))
+            try:
+                spec = JobSpec.from_kwargs(p.job.kwargs)
+            except Exception as exc:  # noqa: BLE001 - a payload we cannot read fails, loudly
+                log.error("job %s: unreadable payload (%s); failing it", p.job_id, exc, extra=ctx)
+                self.execution = p.execution
+                self._fail_unreadable(p.job, p.queue, str(exc))
+                continue
+            taken.append(Taken(p.job, p.queue, p.execution, spec, p.crashes, p.attempt))
+        return [self._dataset(q) for q in full], taken
+
+    def _dataset(self, queue: Queue) -> str:
+        return self.keys.dataset_of_queue(queue.name) or queue.name
 
     def _fail_unreadable(self, job: Job, queue: Queue, message: str) -> None:
         """A job in a genq queue that genq did not write: fail it where operators will see it."""
+        job.refresh()  # RQ saves the whole job
         job.retries_left = 0
         self.handle_job_failure(job, queue, exc_string=f"unreadable genq job payload: {message}")
 
@@ -179,20 +179,25 @@ class Bookkeeper(BaseWorker):
         ``taken`` was listed when the heartbeat was scheduled; a job whose result has been handed
         over since (on this same thread, after a Redis outage that queued both) is skipped here:
         refreshing its execution would put it back in RQ's started registry, and once that lapsed,
-        RQ's abandoned-job cleanup would queue a finished job again."""
-        taken = [t for t in taken if not t.finishing]
+        RQ's abandoned-job cleanup would queue a finished job again. A job still waiting to hand
+        its result over is refreshed: it is not finished in Redis yet."""
         ttl = self.heartbeat_ttl
-        for chunk in _chunks(taken, 500):
+        # An execution that may have lapsed is not refreshed: that would put it back in the
+        # started registry beside the copy RQ queued again (it runs on, and its late result is
+        # dropped as a duplicate, or its RQ state lapses for good).
+        taken = [t for t in taken if not t.handed_over and not t.may_have_lapsed(ttl)]
+        for chunk in _chunks(taken, 500) if taken else [[]]:
+            sent_at = time.monotonic()
             with self.connection.pipeline() as pipe:
                 self.heartbeat(ttl + 60, pipeline=pipe)
                 for t in chunk:
                     t.execution.heartbeat(t.job.started_job_registry, ttl, pipeline=pipe)
                     t.job.heartbeat(now(), ttl, pipeline=pipe)
+                if chunk:
+                    self.set_current_job_id(chunk[-1].job.id, pipeline=pipe)
                 pipe.execute()
-        if not taken:
-            self.heartbeat(ttl + 60)
-        else:
-            self.set_current_job_id(taken[-1].job.id)
+            for t in chunk:
+                t.beat_at = sent_at
 
     def report(self, in_flight: int, retrying: dict[str, int], retries: int) -> None:
         """genq's fields in the RQ worker hash, next to RQ's job counts, for status and monitor; and
@@ -228,10 +233,24 @@ class Bookkeeper(BaseWorker):
             pipe.expire(key, self.heartbeat_ttl)
             pipe.execute()
 
-    def attempt(self, job_id: str) -> int:
-        """Charge a send to the job before it goes out, so the budget holds across workers (and a
-        worker that dies mid-send has used it)."""
-        return int(self.connection.hincrby(self.keys.attempts, job_id, 1))
+    def commit(self, charges: list[str], finished: list[Finished]) -> list[int]:
+        """A group of writes in one MULTI (the worker's group commit, worker/commits.py): a send
+        charged to each job of ``charges`` before it goes out, so the budget holds across workers
+        (and a worker that dies mid-send has used it); and results handed to the collector, each
+        job finished as RQ finishes it. Returns the charged jobs' attempt numbers."""
+        with self.connection.pipeline() as pipe:
+            for job_id in charges:
+                pipe.hincrby(self.keys.attempts, job_id, 1)
+            if finished:
+                self._hand_over(pipe, finished)
+                at = now()
+                for f in finished:
+                    f.taken.job.ended_at = at
+                rq_state.finish(pipe, self.key, [(f.taken.job, f.taken.execution) for f in finished], at)
+            counts = pipe.execute()
+        for f in finished:
+            f.taken.handed_over = True
+        return [int(n) for n in counts[: len(charges)]]
 
     def spare(self, job_id: str, counter: str | None) -> int:
         """Take back the send charged by :meth:`attempt` and count it in ``counter`` (``spared``
@@ -263,50 +282,44 @@ class Bookkeeper(BaseWorker):
 
     # -- endings ----------------------------------------------------------------------------
 
-    def succeed(self, t: Taken, record: dict, logprobs: bytes | None = None) -> None:
-        """Hand the record (and its logprobs frame) to the collector, then let RQ finish the job
-        its own way."""
-        self._hand_over(t, KIND_RECORD, record, logprobs)
-        t.job._result = {"tokens": record["completion_tokens"]}
-        t.job.ended_at = now()
-        self.execution = t.execution
-        self.handle_job_success(t.job, t.queue, t.job.started_job_registry)
-        self._idle_if_empty()
-
     def fail(self, t: Taken, error: dict) -> None:
-        """A terminal failure: the error goes to the collector, the job to RQ's failed registry."""
-        self._hand_over(t, KIND_ERROR, error)
+        """A terminal failure (rare): the error goes to the collector, the job to RQ's failed
+        registry by RQ's own code."""
+        with self.connection.pipeline() as pipe:
+            self._hand_over(pipe, [Finished(t, KIND_ERROR, error)])
+            pipe.execute()
+        t.handed_over = True
+        t.job.refresh()  # RQ saves the whole job
         t.job.ended_at = now()
         t.job.retries_left = 0  # ours is a final verdict: RQ must not requeue it
         self.execution = t.execution
         self.handle_job_failure(
             t.job, t.queue, t.job.started_job_registry, exc_string=f"{error['error']}: {error['message']}"
         )
-        self._idle_if_empty()
+        self.execution = None
 
-    def _hand_over(self, t: Taken, kind: bytes, data: dict, logprobs: bytes | None = None) -> None:
-        """Add a result to the stream, counted per dataset in the same MULTI."""
-        entry = {"kind": kind, "id": t.spec.id, "data": dumps(data)}
-        if logprobs is not None:
-            entry["lp"] = logprobs
-        with self.connection.pipeline() as pipe:
-            pipe.xadd(self.keys.results, entry)
-            pipe.hincrby(self.keys.in_stream, t.spec.dataset, 1)
-            for counter in self.keys.job_state:
-                pipe.hdel(counter, t.job.id)
-            pipe.execute()
+    def _hand_over(self, pipe, finished: list[Finished]) -> None:
+        """Add results to the stream, counted per dataset, and forget the jobs' attempt counters."""
+        for f in finished:
+            entry = {"kind": f.kind, "id": f.taken.spec.id, "data": dumps(f.data)}
+            if f.logprobs is not None:
+                entry["lp"] = f.logprobs
+            pipe.xadd(self.keys.results(f.taken.spec.dataset), entry)
+        for dataset, n in Counter(f.taken.spec.dataset for f in finished).items():
+            pipe.hincrby(self.keys.in_stream, dataset, n)
+        for counter in self.keys.job_state:
+            pipe.hdel(counter, *(f.taken.job.id for f in finished))
 
     def requeue(self, taken: list[Taken]) -> None:
         """Put jobs back at the front of their queues at once (graceful stop)."""
+        jobs = Job.fetch_many([t.job.id for t in taken], self.connection, serializer=self.serializer)
         with self.connection.pipeline() as pipe:
-            for t in taken:
+            for t, job in zip(taken, jobs, strict=True):
                 t.execution.delete(job=t.job, pipeline=pipe)
-                t.queue._enqueue_job(t.job, pipeline=pipe, at_front=True)
+                if job is not None:  # RQ saves the whole job: the one read just now
+                    t.queue._enqueue_job(job, pipeline=pipe, at_front=True)
             self.set_current_job_id(None, pipeline=pipe)
             pipe.execute()
-
-    def _idle_if_empty(self) -> None:
-        self.execution = None
 
     # -- maintenance ------------------------------------------------------------------------
 
@@ -321,9 +334,6 @@ class Bookkeeper(BaseWorker):
                 pipe.llen(q.intermediate_queue_key)
                 pipe.zcard(q.started_job_registry.key)
             return sum(pipe.execute())
-
-    def stream_length(self) -> int:
-        return int(self.connection.xlen(self.keys.results))
 
 
 def _chunks(items: list, size: int):

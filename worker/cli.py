@@ -10,7 +10,7 @@ from genq.backends import NAMES, Http
 from genq.keys import Keys
 from genq.logs import logging_options, setup_logging
 from genq.metrics import metrics_options, serve
-from genq.settings import connect, option, redis_options
+from genq.settings import connect, option, redis_options, wait_for_redis
 from worker import metrics
 from worker.daemon import Worker, WorkerConfig
 
@@ -73,7 +73,7 @@ from worker.daemon import Worker, WorkerConfig
     "--stream-limit",
     type=click.IntRange(min=1),
     default=10_000,
-    help="Take no new jobs while the result stream holds this many entries.",
+    help="Take no new jobs of a dataset while its result stream holds this many entries.",
 )
 @option("--burst", is_flag=True, help="Exit once the queues are empty and nothing is in flight.")
 @logging_options
@@ -121,7 +121,9 @@ def worker_command(
         heartbeat_ttl=heartbeat_ttl,
         stream_limit=stream_limit,
     )
-    asyncio.run(_run(connect(redis_url), Keys(namespace), config))
+    conn = connect(redis_url)
+    wait_for_redis(conn, redis_url)
+    asyncio.run(_run(conn, Keys(namespace), config))
 
 
 async def _run(conn, keys: Keys, config: WorkerConfig) -> None:

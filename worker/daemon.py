@@ -18,7 +18,7 @@ import os
 import secrets
 import signal
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,10 +31,11 @@ from genq import backends, conversation, logprobs
 from genq.backends import Answer, Backend, Http, ServerInfo, ServerRefused
 from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
-from genq.schema import JobSpec, error_record
+from genq.schema import KIND_RECORD, JobSpec, error_record
 from genq.templates import ChatTemplate, TemplateError
 from worker import metrics
-from worker.bookkeeping import Bookkeeper, Taken
+from worker.bookkeeping import Bookkeeper, Finished, Taken
+from worker.commits import GroupCommit
 from worker.probation import Probation
 from worker.record import build_record
 from worker.retry import backoff
@@ -67,6 +68,12 @@ class WorkerConfig:
     backoff_cap: float = 60.0
     # A connection that fails this many times in a row closes the gate until /health answers.
     down_after: int = 3
+
+    @property
+    def prefetch(self) -> int:
+        """Jobs taken ahead of a free slot (started in RQ, waiting here): takes come in batches
+        of about half this, and a job starts the moment a slot frees."""
+        return max(1, self.concurrency // 8)
 
     def attempt_timeout(self, max_new_tokens: int) -> float:
         """Decision 8: long generations get long deadlines (8 tok/s floor per sequence + 120 s)."""
@@ -102,6 +109,9 @@ class Worker:
         self.books = Bookkeeper(conn, keys, config.heartbeat_ttl, config.server)
         self._redis_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genq-redis")
         self._in_flight: dict[asyncio.Task, Taken] = {}
+        self._finishing = 0  # jobs of _in_flight handing their result over: they free their slot
+        self._ready: deque[Taken] = deque()  # taken ahead, waiting for a slot
+        self._commits = GroupCommit(lambda charges, ends: self.redis(self.books.commit, charges, ends))
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._server_up = asyncio.Event()
@@ -192,6 +202,7 @@ class Worker:
             lambda: len(self._in_flight), lambda: sum(self._retrying.values()), self._server_up.is_set
         )
         self._background += [
+            asyncio.create_task(self._commits.run()),
             asyncio.create_task(self._heartbeats()),
             asyncio.create_task(self._maintenance()),
             asyncio.create_task(self._watch_health()),
@@ -235,22 +246,31 @@ class Worker:
         return None
 
     async def _take_loop(self) -> None:
+        """Start a job whenever a slot is free, from a few taken ahead (``prefetch``): jobs are taken
+        in batches, one round trip each, and a freed slot never waits for Redis."""
         idle_polls = 0
+        prefetch = self.config.prefetch
         while not self._stopping.is_set():
             self._slot_freed.clear()
-            # Suspects waiting for their turn hold no connection: they take no slot.
-            free = self.config.concurrency - len(self._in_flight) + self._probation.waiting
-            taken: list[Taken] = []
-            if free > 0 and self._server_up.is_set() and await self._stream_has_room():
-                taken = await self.redis(self.books.take, min(free, 256))
-            for t in taken:
-                task = asyncio.create_task(self._run_job(t))
-                self._in_flight[task] = t
-                task.add_done_callback(self._job_done)
-            if taken:
-                idle_polls = 0
-                continue
-            if self.config.burst and not self._in_flight and await self._all_done():
+            # Suspects waiting for their turn, and jobs handing their result over, hold no
+            # connection: they take no slot.
+            busy = len(self._in_flight) - self._finishing - self._probation.waiting
+            free = self.config.concurrency - busy
+            self._drop_stale_ready()
+            while free > 0 and self._ready and self._server_up.is_set():
+                self._start(self._ready.popleft())
+                free -= 1
+            want = free + prefetch - len(self._ready)
+            if self._server_up.is_set() and (free > 0 or len(self._ready) <= prefetch // 2):
+                full, taken = await self.redis(self.books.take, min(want, 256), self.config.stream_limit)
+                self._ready.extend(taken)
+                if full and not taken:
+                    await self._wait_for_collector(full)
+                    continue
+                if taken:
+                    idle_polls = 0
+                    continue
+            if self.config.burst and not self._in_flight and not self._ready and await self._all_done():
                 log.info("worker %s: burst: nothing queued or in flight", self.books.name, extra=self._ctx())
                 return
             idle_polls += 1
@@ -259,31 +279,52 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._slot_freed.wait(), timeout=0.25 if free > 0 else 5)
 
+    def _drop_stale_ready(self) -> None:
+        """Forget jobs taken ahead whose heartbeat could have lapsed (Redis unreachable for most
+        of the TTL): RQ's abandoned-job cleanup may have queued them for another worker, so
+        starting one, or heartbeating it back into the started registry, could run it twice. They
+        are left to that cleanup."""
+        ttl = self.config.heartbeat_ttl
+        stale = [t for t in self._ready if t.may_have_lapsed(ttl)]
+        if not stale:
+            return
+        self._ready = deque(t for t in self._ready if not t.may_have_lapsed(ttl))
+        log.warning(
+            "worker %s: %d jobs taken ahead went without a heartbeat for most of their TTL: "
+            "left for RQ to queue again",
+            self.books.name,
+            len(stale),
+            extra=self._ctx(),
+        )
+
+    def _start(self, t: Taken) -> None:
+        task = asyncio.create_task(self._run_job(t))
+        self._in_flight[task] = t
+        task.add_done_callback(self._job_done)
+
     async def _all_done(self) -> bool:
         """--burst ends when nothing is queued and no worker has a job started (a dead one's
         jobs come back once their heartbeat lapses, and this worker should be there to run them)."""
         await self.redis(self.books.refresh_queues)
         return await self.redis(self.books.unfinished_count) == 0
 
-    async def _stream_has_room(self) -> bool:
-        """Decision 10: stop taking jobs while the collector is behind."""
-        length = await self.redis(self.books.stream_length)
-        if length < self.config.stream_limit:
-            return True
+    async def _wait_for_collector(self, full: list[str]) -> None:
+        """Decision 10: take no jobs of a dataset while its collector is behind."""
         log.warning(
-            "result stream holds %d entries (limit %d): waiting for the collector",
-            length,
+            "result stream of %s holds %d entries (--stream-limit): waiting for its collector",
+            ", ".join(full),
             self.config.stream_limit,
             extra=self._ctx(),
         )
-        await asyncio.sleep(2)
-        return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), 2)
 
     def _job_done(self, task: asyncio.Task) -> None:
         taken = self._in_flight.pop(task, None)
         self._slot_freed.set()
         if taken is not None:
             self._suspects.pop(taken.job.id, None)
+            self._finishing -= taken.finishing
         if not task.cancelled() and task.exception() is not None and taken is not None:
             # Its execution is no longer heartbeated: RQ puts the job back after the TTL.
             log.error(
@@ -294,7 +335,17 @@ class Worker:
             )
 
     async def _drain(self) -> None:
-        """Let in-flight jobs finish within the grace period; put the rest back at once."""
+        """Put the jobs taken ahead back at once; let in-flight jobs finish within the grace
+        period, and put the rest back then."""
+        if self._ready:
+            ready, self._ready = list(self._ready), deque()
+            await self.redis(self.books.requeue, ready)
+            log.info(
+                "worker %s: put %d jobs taken ahead back on their queues",
+                self.books.name,
+                len(ready),
+                extra=self._ctx(),
+            )
         if not self._in_flight:
             return
         done, pending = await asyncio.wait(list(self._in_flight), timeout=self.config.grace)
@@ -393,9 +444,15 @@ class Worker:
         )
 
     async def _succeed(self, t: Taken, record: dict[str, Any], frame: bytes | None = None) -> None:
-        t.finishing = True
-        await self.redis(self.books.succeed, t, record, frame)
+        self._finish(t)
+        await self._commits.finish(Finished(t, KIND_RECORD, record, frame))
         metrics.finished(t.spec.dataset, record)
+
+    def _finish(self, t: Taken) -> None:
+        """The job has its ending: never requeue it, and let another job have its slot."""
+        t.finishing = True
+        self._finishing += 1
+        self._slot_freed.set()
 
     async def _answer(self, t: Taken, spec: JobSpec, tries: _Tries, turn: _TurnOf = None) -> Answer | None:
         """Send ``spec`` until an answer comes, or None once the job failed for good."""
@@ -423,7 +480,7 @@ class Worker:
     async def _send(self, t: Taken, spec: JobSpec, tries: _Tries, turn: _TurnOf) -> Answer | None | object:
         """The answer; None when the job failed for good; _RETRY to send again after tries.delay."""
         job_id = t.job.id  # RQ's, namespaced; spec.id: the record's
-        attempt = await self.redis(self.books.attempt, job_id)
+        attempt, t.charged = t.charged or await self._commits.charge(job_id), 0
         if attempt > self.config.max_attempts:
             why = tries.last or AttemptError(
                 "attempts_exhausted",
@@ -604,7 +661,7 @@ class Worker:
         )
         if turn is not None:
             error["turn"] = turn[0] + 1
-        t.finishing = True
+        self._finish(t)
         await self.redis(self.books.fail, t, error)
         metrics.finished(t.spec.dataset, None)
 
@@ -664,7 +721,8 @@ class Worker:
         interval = max(1.0, self.config.heartbeat_ttl / 6)
         while True:
             await asyncio.sleep(interval)
-            await self.redis(self.books.heartbeat_all, list(self._in_flight.values()))
+            self._drop_stale_ready()
+            await self.redis(self.books.heartbeat_all, [*self._in_flight.values(), *self._ready])
 
     async def _reports(self) -> None:
         """genq's own numbers (in flight, retrying) for status and monitor, every few seconds."""

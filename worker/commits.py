@@ -1,0 +1,71 @@
+"""Group commit: the Redis writes of many jobs in one round trip.
+
+A worker with a hundred jobs in flight charges an attempt before every send and hands over a
+result after every answer. Written one by one, that is a round trip each: Redis's CPU goes to
+reading and answering small requests, and on a slow network the jobs wait on the round trips. Here
+each write waits in a list; one task sends everything waiting as one MULTI, and while that MULTI
+is on its way the next group gathers. A group also waits LINGER_S for company: a finished job has
+already given its slot to the next (worker/daemon.py), so that wait delays only the record's
+arrival in the stream, and first attempts are charged when the job is taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from worker.bookkeeping import Finished
+
+LINGER_S = 0.01
+
+Commit = Callable[[list[str], list[Finished]], Awaitable[list[int]]]
+
+
+class GroupCommit:
+    """Gathers charges and endings; :meth:`run` (a background task) writes them in groups."""
+
+    def __init__(self, commit: Commit):
+        self._commit = commit
+        self._charges: list[tuple[str, asyncio.Future[int]]] = []
+        self._finished: list[tuple[Finished, asyncio.Future[int]]] = []
+        self._waiting = asyncio.Event()
+
+    async def charge(self, job_id: str) -> int:
+        """Charge a send to the job; its attempt number."""
+        future = asyncio.get_running_loop().create_future()
+        self._charges.append((job_id, future))
+        self._waiting.set()
+        return await future
+
+    async def finish(self, ending: Finished) -> None:
+        """Hand a result (or error) over and finish the job in RQ; returns once it is in Redis."""
+        future = asyncio.get_running_loop().create_future()
+        self._finished.append((ending, future))
+        self._waiting.set()
+        await future
+
+    async def run(self) -> None:
+        while True:
+            await self._waiting.wait()
+            await asyncio.sleep(LINGER_S)
+            self._waiting.clear()
+            charges, self._charges = self._charges, []
+            finished, self._finished = self._finished, []
+            futures = [f for _, f in charges] + [f for _, f in finished]
+            try:
+                attempts = await self._commit([c for c, _ in charges], [e for e, _ in finished])
+            except asyncio.CancelledError:
+                for future in futures:
+                    future.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - each waiting job gets it
+                for future in futures:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), attempt in zip(charges, attempts, strict=True):
+                if not future.done():
+                    future.set_result(attempt)
+            for _, future in finished:
+                if not future.done():
+                    future.set_result(0)

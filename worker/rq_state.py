@@ -1,0 +1,188 @@
+"""RQ's job state, written by genq for many jobs per round trip, key for key as RQ's worker writes it.
+
+RQ's worker takes and finishes one job at a time in several round trips each (rq 2.12:
+``Queue.dequeue_any`` + ``Execution.create`` + ``Job.prepare_for_execution`` to start,
+``BaseWorker.handle_job_success`` with its WATCH, ``Job._handle_success``, ``Result.create`` and
+``cleanup_execution`` to finish). A genq worker keeps a hundred jobs in flight, so it writes the
+same keys itself: one script call takes a batch of jobs, one MULTI finishes a batch. What `rq
+info`, rq-dashboard and RQ's abandoned-job cleanup read is what RQ would have written
+(tests/test_rq_contract.py compares the two). Left out, as genq jobs never use them: dependents
+(enqueue sets no ``depends_on``), repeats, and the ``Result`` stream (the record is the result; RQ
+keeps ``{"tokens": n}`` nowhere).
+"""
+
+from __future__ import annotations
+
+import calendar
+import uuid
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+
+from redis.client import Pipeline
+from redis.commands.core import Script
+from rq import Queue
+from rq.defaults import DEFAULT_RESULT_TTL
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.utils import now, utcformat
+
+# KEYS: worker hash, crashes hash, attempts hash, then (queue, started registry, the dataset's
+# result stream) triples in the order to take from. ARGV: stream limit, how many, worker name, the
+# time (RQ's string, epoch float, epoch int), heartbeat TTL, then one execution id per job.
+# Nothing is taken from a queue whose dataset's stream holds the limit (its collector is behind).
+# Takes from the left of each queue as RQ's dequeue does, many ids per LPOP (Redis >= 6.2), one
+# read of each job's hash, and one ZADD per queue: in Lua every redis.call costs as much as a
+# command from a client, so the script makes as few as it can. A job whose hash is gone or that has
+# finished already is popped and reported, not started. Every started job gets what
+# Execution.create and Job.prepare_for_execution write (rq/executions.py, rq/job.py), and its
+# first attempt charged unless it is a crash suspect (worker/probation.py charges it at its turn).
+# Returns {{queue index whose stream is full...}, {queue index, id, state, execution, crashes,
+# attempt, {data, result_ttl, meta}}...}: what the worker needs of the job (see started_job).
+TAKE = """
+local limit, want, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[7])
+local worker, stamp, ts, score = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6])
+local full = {}
+local taken = {full}
+local n, last = 0, nil
+for q = 4, #KEYS, 3 do
+  if n >= want then break end
+  if redis.call('XLEN', KEYS[q + 2]) >= limit then
+    table.insert(full, q)
+  else
+    local started = {}
+    while n < want do
+      local ids = redis.call('LPOP', KEYS[q], want - n)
+      if not ids then break end
+      local crashes = redis.call('HMGET', KEYS[2], unpack(ids))
+      for i, id in ipairs(ids) do
+        local job = 'rq:job:' .. id
+        local f = redis.call('HMGET', job, 'status', 'data', 'result_ttl', 'meta')
+        if not f[1] then
+          table.insert(taken, {q, id, 'missing'})
+        elseif f[1] == 'finished' or f[1] == 'failed' then
+          table.insert(taken, {q, id, f[1]})
+        else
+          n = n + 1
+          local exec = ARGV[7 + n]
+          local ekey = 'rq:execution:' .. id .. ':' .. exec
+          redis.call('HSET', ekey, 'id', exec, 'created_at', ts, 'last_heartbeat', ts, 'worker_name', worker)
+          redis.call('EXPIRE', ekey, ttl)
+          redis.call('ZADD', 'rq:executions:' .. id, score + ttl + 60, exec)
+          redis.call('EXPIRE', 'rq:executions:' .. id, ttl + 60)
+          table.insert(started, score + ttl)
+          table.insert(started, id .. ':' .. exec)
+          redis.call('HSET', job, 'last_heartbeat', stamp, 'status', 'started', 'started_at', stamp,
+            'worker_name', worker)
+          local crashed = crashes[i] or '0'
+          local attempt = 0
+          if crashed == '0' then attempt = redis.call('HINCRBY', KEYS[3], id, 1) end
+          table.insert(taken, {q, id, 'started', exec, crashed, attempt, {f[2], f[3], f[4]}})
+          last = id
+        end
+      end
+    end
+    if #started > 0 then redis.call('ZADD', KEYS[q + 1], unpack(started)) end
+  end
+end
+if last then redis.call('HSET', KEYS[1], 'state', 'busy', 'current_job', last) end
+return taken
+"""
+
+
+@dataclass
+class Popped:
+    """One id the take script popped: started (with its execution), or skipped and why."""
+
+    queue: Queue
+    job_id: str
+    state: str  # "started", or why it was not: "missing", "finished", "failed"
+    job: Job | None = None
+    execution: Execution | None = None
+    crashes: int = 0
+    attempt: int = 0  # its first attempt, charged by the script (0: not charged, a suspect)
+
+
+def take(
+    script: Script,
+    queues: list[tuple[Queue, str]],
+    want: int,
+    worker: str,
+    keys: tuple[str, str, str],
+    stream_limit: int,
+    ttl: int,
+) -> tuple[list[Queue], list[Popped]]:
+    """Up to ``want`` jobs from ``queues`` (each with its dataset's result stream) in that order,
+    started for ``worker``, in one round trip; with the queues skipped because their stream holds
+    ``stream_limit`` entries. ``keys``: the worker hash, and genq's crashes and attempts hashes;
+    ``script``: :data:`TAKE` registered on the connection."""
+    at = now()
+    epoch = calendar.timegm(at.utctimetuple())
+    queue_keys = [key for q, stream in queues for key in (q.key, q.started_job_registry.key, stream)]
+    argv = [stream_limit, want, worker, utcformat(at), at.timestamp(), epoch, ttl]
+    executions = [uuid.uuid4().hex for _ in range(want)]
+    full, *popped = script(keys=[*keys, *queue_keys], args=[*argv, *executions])
+    found = []
+    for q, raw_id, state, *started in popped:
+        queue, job_id = queues[(q - 4) // 3][0], raw_id.decode()
+        if state != b"started":
+            found.append(Popped(queue, job_id, state.decode()))
+            continue
+        execution_id, crashes, attempt, fields = started
+        job = started_job(job_id, queue, worker, at, *fields)
+        execution = Execution(execution_id.decode(), job_id, queue.connection, worker_name=worker)
+        execution.created_at = execution.last_heartbeat = at
+        found.append(Popped(queue, job_id, "started", job, execution, int(crashes), int(attempt)))
+    return [queues[(q - 4) // 3][0] for q in full], found
+
+
+def started_job(
+    job_id: str,
+    queue: Queue,
+    worker: str,
+    at: datetime,
+    data: bytes,
+    result_ttl: bytes | None,
+    meta: bytes | None,
+) -> Job:
+    """The job as the take script left it, built from the three fields genq reads (Job.restore of
+    the whole hash parses five dates a job). Enough to run, heartbeat and finish it; before RQ's
+    own code saves it (a failure, a requeue) it is read whole with ``Job.refresh``."""
+    job = Job(job_id, connection=queue.connection, serializer=queue.serializer)
+    try:
+        job.data = zlib.decompress(data)
+    except zlib.error:
+        job.data = data
+    job.origin, job.worker_name, job._status = queue.name, worker, JobStatus.STARTED
+    job.started_at = job.last_heartbeat = at
+    job.result_ttl = int(result_ttl) if result_ttl else None
+    try:
+        job.meta = job.serializer.loads(meta) if meta else {}
+    except Exception:  # noqa: BLE001 - as Job.restore: pickled meta from a client without the JSON serializer
+        job.meta = {"unserialized": meta}
+    return job
+
+
+def finish(pipe: Pipeline, worker_key: str, jobs: list[tuple[Job, Execution]], ended_at: datetime) -> None:
+    """What ``handle_job_success`` writes for each job (rq/worker/base.py), into ``pipe`` (a MULTI):
+    the job finished and kept for its result_ttl in the finished registry, its execution gone from
+    the started registry, and the worker's counters."""
+    by_queue: dict[str, list[tuple[Job, Execution]]] = defaultdict(list)
+    for job, execution in jobs:
+        by_queue[job.origin].append((job, execution))
+    stamp, epoch = utcformat(ended_at), calendar.timegm(ended_at.utctimetuple())
+    for started in by_queue.values():
+        first = started[0][0]
+        pipe.zrem(first.started_job_registry.key, *(e.composite_key for _, e in started))
+        kept = {job.id: epoch + job.get_result_ttl(DEFAULT_RESULT_TTL) for job, _ in started}
+        pipe.zadd(first.finished_job_registry.key, kept)
+    for job, execution in jobs:
+        pipe.hset(job.key, mapping={"status": JobStatus.FINISHED, "ended_at": stamp})
+        pipe.expire(job.key, job.get_result_ttl(DEFAULT_RESULT_TTL))
+        pipe.delete(execution.key)
+        pipe.zrem(f"rq:executions:{job.id}", execution.id)
+    working = sum(((ended_at - job.started_at).total_seconds() for job, _ in jobs if job.started_at), 0.0)
+    pipe.hincrby(worker_key, "successful_job_count", len(jobs))
+    pipe.hincrbyfloat(worker_key, "total_working_time", working)
+    pipe.hdel(worker_key, "current_job")
