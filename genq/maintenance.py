@@ -24,9 +24,22 @@ STRANDED_INTERVALS = 3
 STRANDED_MIN_S = 10
 
 
+# The reaper runs when the caller's own interval has passed since anyone last ran it, by Redis's
+# clock. (A lock held for the caller's interval let the collector's 15 s hold back workers whose
+# short heartbeat TTL asks for a reap every 2 s: their jobs came back up to 15 s late.)
+_CLAIM = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local last = tonumber(redis.call('GET', KEYS[1]) or '') or 0
+if now - last < tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[1], string.format('%.3f', now), 'EX', 600)
+return 1
+"""
+
+
 def reap(conn: redis.Redis, keys: Keys, owner: str, interval_s: int) -> bool:
-    """Requeue abandoned and stranded jobs; one caller per interval across the namespace."""
-    if not conn.set(keys.maintenance_lock, owner, nx=True, ex=max(1, interval_s)):
+    """Requeue abandoned and stranded jobs; at most once per caller's interval across the namespace."""
+    if not conn.eval(_CLAIM, 1, keys.maintenance_lock, max(1, interval_s)):
         return False
     for name in datasets.load_all(conn, keys):
         queue = Queue(keys.queue_name(name), connection=conn, serializer="json")

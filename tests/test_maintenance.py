@@ -1,0 +1,20 @@
+"""The reaper's schedule (genq/maintenance.py): one reap per caller's interval across the namespace."""
+
+from __future__ import annotations
+
+from genq.keys import Keys
+from genq.maintenance import reap
+
+
+def test_a_long_interval_never_holds_back_a_short_one(conn, namespace):
+    """The collector reaps every 15 s, a worker with a short heartbeat TTL every 2 s: the worker's
+    reap must not wait for the collector's 15 s (a lock held that long made a dead worker's jobs come
+    back up to 15 s past the bound in docs/failures.md)."""
+    keys = Keys(namespace)
+    assert reap(conn, keys, "collector", 15)
+    assert not reap(conn, keys, "worker", 2), "reaped again at once"
+    seconds, micros = conn.time()
+    conn.set(keys.maintenance_lock, f"{seconds + micros / 1e6 - 3:.3f}")  # the last reap, 3 s ago
+    assert not reap(conn, keys, "collector", 15)
+    assert reap(conn, keys, "worker", 2), "a reap 3 s ago held back a worker that reaps every 2 s"
+    assert not reap(conn, keys, "worker", 2)
