@@ -50,8 +50,8 @@ LINGER_S = 0.05
     "--dataset",
     "only",
     multiple=True,
-    env="GENQ_COLLECT_DATASETS",
-    help="Collect only this dataset (repeatable; GENQ_COLLECT_DATASETS: names separated by spaces). "
+    env="GENQ_COLLECT_DATASET",
+    help="Collect only this dataset (repeatable; GENQ_COLLECT_DATASET: names separated by spaces). "
     "Default: every dataset of the namespace, including ones enqueued later.",
 )
 @option("--burst", is_flag=True, help="Exit once queues, in-flight jobs and the streams are all empty.")

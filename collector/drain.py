@@ -14,6 +14,7 @@ import os
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,7 @@ class Item:
     entry_id: bytes | None  # None for errors the collector itself found (failed registry)
     logprobs: bytes | None = None  # the record's frame for logprobs.bin (genq/logprobs.py)
     dataset: str = ""  # the dataset whose stream (or failed registry) it came from
+    stream: str = ""  # the stream to acknowledge it in ("": none)
 
 
 class Collector:
@@ -119,6 +121,7 @@ class Collector:
         # collector before a failure, or by the one that held the dataset before): read those first.
         self._unacked: set[str] = set()
         self._pending_checked = time.monotonic()
+        self._legacy = False  # the stream of older releases holds entries (looked at by claim)
         self._renew = conn.register_script(_RENEW)
         self.written = 0
         self.duplicates = 0
@@ -131,9 +134,8 @@ class Collector:
         held ones. Another live holder's lease is left alone: it lapses within LEASE_TTL_S if
         that collector is gone."""
         self._settings = datasets_mod.load_all(self.conn, self.keys)
-        names = [
-            n for n in self._settings if n not in self.held and (self.wanted is None or n in self.wanted)
-        ]
+        self._legacy = bool(self.conn.xlen(self.keys.legacy_results))
+        names = [n for n in self._settings if n not in self.held and self._wants(n)]
         if not names:
             return []
         renewed = time.monotonic()  # before the SETs: the leases run from no later than this
@@ -351,6 +353,10 @@ class Collector:
                 if resp and resp[0][1]:
                     return [self._item(name, entry_id, fields) for entry_id, fields in resp[0][1]]
             self._unacked.discard(name)
+        if self._legacy and self.wanted is None and set(self.held) >= set(self._settings):
+            items = self._read_legacy()
+            if items:
+                return items
         if not self.held:
             time.sleep(block_ms / 1000)
             return []
@@ -368,9 +374,26 @@ class Collector:
             for entry_id, fields in entries
         ]
 
-    @staticmethod
-    def _item(dataset: str, entry_id: bytes, fields: dict) -> Item:
-        return Item(fields[b"kind"], loads(fields[b"data"]), entry_id, fields.get(b"lp"), dataset)
+    def _item(self, dataset: str | None, entry_id: bytes, fields: dict, stream: str | None = None) -> Item:
+        data = loads(fields[b"data"])
+        dataset = dataset or data.get("dataset", "")
+        stream = stream or self.keys.results(dataset)
+        return Item(fields[b"kind"], data, entry_id, fields.get(b"lp"), dataset, stream)
+
+    def _read_legacy(self) -> list[Item]:
+        """The single stream of releases before per-dataset streams (an upgrade mid-run), read
+        by a collector that holds every dataset: its pending entries, then new ones."""
+        stream = self.keys.legacy_results
+        for start in ("0", ">"):
+            resp = self.conn.xreadgroup(self.keys.results_group, CONSUMER, {stream: start}, count=self.batch)
+            entries = resp[0][1] if resp else []
+            items = [self._item(None, entry_id, fields, stream) for entry_id, fields in entries]
+            # An entry of a dataset no longer registered stays where it is, as in any stream.
+            items = [item for item in items if item.dataset in self.held]
+            if items:
+                return items
+        self._legacy = False  # looked at again at the next claim
+        return []
 
     def write(self, items: list[Item]) -> int:
         """Append the new ones, fsync, then mark, checkpoint and acknowledge all in one MULTI."""
@@ -446,13 +469,14 @@ class Collector:
             if offsets:
                 pipe.hset(self.keys.collector_offsets, mapping=offsets)
             acked: dict[str, list[bytes]] = {}
-            for item, name, _ in placed:
+            for item, _, _ in placed:
                 if item.entry_id is not None:
-                    acked.setdefault(name, []).append(item.entry_id)
-            for name, entry_ids in acked.items():
-                pipe.xack(self.keys.results(name), self.keys.results_group, *entry_ids)
-                pipe.xdel(self.keys.results(name), *entry_ids)
-                pipe.hincrby(self.keys.in_stream, name, -len(entry_ids))
+                    acked.setdefault(item.stream, []).append(item.entry_id)
+            for stream, entry_ids in acked.items():
+                pipe.xack(stream, self.keys.results_group, *entry_ids)
+                pipe.xdel(stream, *entry_ids)
+            for name, count in Counter(n for i, n, _ in placed if i.entry_id is not None).items():
+                pipe.hincrby(self.keys.in_stream, name, -count)
             pipe.execute()
         self.written += len(to_mark)
         metrics.written([(n, k) for n, k, _ in to_mark], new_records, duplicates, time.monotonic() - started)
@@ -525,9 +549,7 @@ class Collector:
     def work_left(self) -> int:
         """Jobs of the datasets this collector is for that are queued or in flight, plus their
         entries in the streams (for --burst)."""
-        names = [
-            n for n in datasets_mod.load_all(self.conn, self.keys) if self.wanted is None or n in self.wanted
-        ]
+        names = [n for n in datasets_mod.load_all(self.conn, self.keys) if self._wants(n)]
         with self.conn.pipeline(transaction=False) as pipe:
             for name in names:
                 queue = Queue(self.keys.queue_name(name), connection=self.conn, serializer="json")
@@ -536,6 +558,8 @@ class Collector:
                 pipe.llen(queue.intermediate_queue_key)
                 pipe.zcard(queue.started_job_registry.key)
                 pipe.zcard(queue.scheduled_job_registry.key)
+            if self.wanted is None:
+                pipe.xlen(self.keys.legacy_results)
             return sum(pipe.execute())
 
     def close(self) -> None:

@@ -182,10 +182,11 @@ def _set_bits(value: int, size: int) -> list[int]:
 def _stream_ids(conn: redis.Redis, keys: Keys, name: str) -> list[str]:
     """Record ids of this dataset's results still in the stream (at most --stream-limit of them)."""
     out = []
-    for _, fields in conn.xrange(keys.results(name)):
-        data = orjson.loads(fields[b"data"])
-        if data.get("dataset") == name:
-            out.append(fields[b"id"].decode())
+    for stream in (keys.results(name), keys.legacy_results):  # the second: left by an older release
+        for _, fields in conn.xrange(stream):
+            data = orjson.loads(fields[b"data"])
+            if data.get("dataset") == name:
+                out.append(fields[b"id"].decode())
     return out
 
 

@@ -1,0 +1,93 @@
+"""Several collectors on one namespace: a lease per dataset shares the datasets out, a standby takes
+over a dataset whose collector died, and a stream left by an older release is drained."""
+
+from __future__ import annotations
+
+import orjson
+
+from tests.helpers import (
+    check_records,
+    log_of,
+    read_jsonl,
+    sigkill,
+    status_json,
+    stop,
+    wait_until,
+    write_prompts,
+)
+
+PARAMS = {"max_new_tokens": 300}
+
+
+def _lease_of(proc) -> str:
+    """The lease id a collector logs at start: ``collector <host:pid:nonce>: draining ...``."""
+    line = next(line for line in log_of(proc).splitlines() if ": draining " in line)
+    return line.split("collector ", 1)[1].split(": draining", 1)[0]
+
+
+def test_datasets_drain_through_their_own_collectors_and_a_standby_takes_over(
+    procs, start_sim, out, tmp_path
+):
+    sim = start_sim("--latency", "realistic", "--decode-step-ms", "2")
+    names = ("a", "b", "c")
+    prompts = {}
+    for name in names:
+        prompts[name] = write_prompts(tmp_path / f"{name}.jsonl", 300, start=names.index(name) * 1000)
+        assert procs.run("enqueue", tmp_path / f"{name}.jsonl", "--max-new-tokens", "300").returncode == 0
+    first = procs.start("collect", "--out", out, "--dataset", "a", "--dataset", "b")
+    second = procs.start("collect", "--out", out, "--dataset", "c")
+    holders = lambda: status_json(procs)["stream"]["collectors"]  # noqa: E731
+    wait_until(lambda: all(holders().values()), 30, "a collector for each dataset")
+    wait_until(lambda: ": draining " in log_of(first) + log_of(second), 30, "the collectors' start")
+    ids = {"first": _lease_of(first), "second": _lease_of(second)}
+    assert holders() == {"a": ids["first"], "b": ids["first"], "c": ids["second"]}
+    standby = procs.start("collect", "--out", out)  # every dataset, all held: it waits
+    wait_until(lambda: "standing by" in log_of(standby), 30, "the standby")
+
+    worker = procs.start("worker", "--server", sim, "--burst", "--concurrency", "64")
+    c_raw = out / "c" / "raw_responses.jsonl"
+    wait_until(lambda: c_raw.exists() and c_raw.stat().st_size > 0, 60, "records of c on disk")
+    sigkill(second)  # a dead holder on this host: the standby takes its dataset at once
+    wait_until(lambda: holders()["c"] == _lease_of(standby), 30, "the standby to hold c")
+    assert holders()["a"] == holders()["b"] == ids["first"], "the live collector keeps its datasets"
+
+    assert worker.wait(180) == 0, log_of(worker)
+    done = lambda: all(status_json(procs)["datasets"][n]["done"] == 300 for n in names)  # noqa: E731
+    wait_until(done, 120, "every record on disk")
+    assert stop(first) == 0 and stop(standby) == 0, log_of(first) + log_of(standby)
+    for name in names:
+        check_records(out, name, prompts[name], PARAMS)
+    assert "holds dataset c" in log_of(standby)
+    assert "holds dataset a" not in log_of(standby) and "holds dataset b" not in log_of(standby)
+    assert "holds dataset c" not in log_of(first)
+
+
+def test_the_stream_of_an_older_release_is_drained(procs, start_sim, out, tmp_path, conn, namespace):
+    """Workers of a release before per-dataset streams wrote every result to one stream
+    (``genq:<ns>:results``). After an upgrade mid-run, what they left there lands on disk once."""
+    from genq.keys import Keys
+
+    sim = start_sim()
+    prompts = write_prompts(tmp_path / "old.jsonl", 60)
+    assert procs.run("enqueue", tmp_path / "old.jsonl", "--max-new-tokens", "300").returncode == 0
+    assert procs.run("worker", "--server", sim, "--burst").returncode == 0
+    keys = Keys(namespace)
+    # Move the results into the old stream as an older worker would have written them.
+    entries = conn.xrange(keys.results("old"))
+    assert len(entries) == 60
+    with conn.pipeline() as pipe:
+        pipe.xgroup_create(keys.legacy_results, keys.results_group, id="0", mkstream=True)
+        for _, fields in entries:
+            pipe.xadd(keys.legacy_results, fields)
+        pipe.delete(keys.results("old"))
+        pipe.execute()
+    # One of them twice: a replay dropped as a duplicate.
+    conn.xadd(keys.legacy_results, entries[0][1])
+    conn.hincrby(keys.in_stream, "old", 1)
+    assert status_json(procs)["stream"]["length"] == 61
+    collector = procs.start("collect", "--out", out, "--burst")
+    assert collector.wait(60) == 0, log_of(collector)
+    check_records(out, "old", prompts, PARAMS)
+    assert conn.xlen(keys.legacy_results) == 0 and status_json(procs)["stream"]["length"] == 0
+    assert len(read_jsonl(out / "old" / "raw_responses.jsonl")) == 60
+    assert orjson.loads(entries[0][1][b"data"])["id"] == "old-0"
