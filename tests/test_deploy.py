@@ -56,7 +56,7 @@ INSTANCE = "gpu0"
 
 def need_command(name: str) -> click.Command:
     """A live `genq` command; `genq dashboard` may not be registered yet (issue 4)."""
-    cmd = main.commands.get(name)
+    cmd = main.get_command(click.Context(main), name)
     if cmd is None:
         pytest.skip(f"`genq {name}` is not registered yet: its deployment files are not checked")
     return cmd
@@ -394,7 +394,15 @@ def environment(svc: dict) -> dict[str, str]:
 def test_compose_service_runs_a_real_genq_command(name, monkeypatch):
     """Its command parses with the live CLI, flags and environment together (nothing runs)."""
     svc = service(name)
-    assert svc["build"] == {"context": ".", "dockerfile": "ops/Dockerfile"}
+    build = svc["build"]
+    assert (build["context"], build["dockerfile"]) == (".", "ops/Dockerfile"), build
+    assert svc["image"] == "genq:local", "one image, built once, for every genq service"
+    # Build args: each one an ARG of ops/Dockerfile, defaulting to what the Dockerfile defaults to.
+    args = re.findall(r"^ARG (\w+)=(\S*)$", (OPS / "Dockerfile").read_text(), re.M)
+    declared = {name: default.strip('"') for name, default in args}
+    assert build.get("args") and set(build["args"]) <= set(declared), (build.get("args"), declared)
+    for arg, value in build["args"].items():  # ${VAR:-default}: the default
+        assert value == declared[arg], f"{arg}: compose.yaml {value!r}, ops/Dockerfile {declared[arg]!r}"
     assert svc.get("init") is True, "PID 1 must forward SIGTERM to genq (init: true)"
     argv = svc["command"]
     assert isinstance(argv, list) and argv[0] == "genq", argv
@@ -585,7 +593,9 @@ def test_dockerfile_installs_the_package():
     lines = re.sub(r"\\\n\s*", " ", text).splitlines()
     instructions = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     froms = [i for i in instructions if i.startswith("FROM ")]
-    assert froms and all(f.split()[1] == "python:3.11-slim" for f in froms)
+    # Both stages on the same base: python:3.11-slim unless the PYTHON_IMAGE build arg says otherwise.
+    assert froms and all(f.split()[1] == "${PYTHON_IMAGE}" for f in froms), froms
+    assert "ARG PYTHON_IMAGE=python:3.11-slim" in instructions[: instructions.index(froms[0])]
     build = instructions.index(next(i for i in instructions if i.startswith("COPY . ")))
     wheel = [i for i in instructions[build:] if i.startswith("RUN pip wheel")]
     assert wheel and re.fullmatch(r"\.(\[[a-z0-9_,-]+\])?", wheel[0].split()[-1].strip("\"'")), wheel

@@ -1,0 +1,309 @@
+"""compose.yaml and ops/Dockerfile, run for real (issue 16).
+
+Podman builds the images and podman-compose runs the demo; a worker container is SIGKILLed with jobs
+in flight, and every example prompt still lands in the collector's volume exactly once. No registry
+is reachable from CI: the base images are local stand-ins made by ops/compose/local-images.sh
+(debootstrap, cached in ~/.cache/genq). Podman 4.3 runs no health checks without systemd, so
+nothing waits on `service_healthy`: each genq command waits for Redis itself (the first test), and
+this file polls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+from genq.embedded import EmbeddedRedis, free_port
+from tests.helpers import (
+    assert_adds_up,
+    check_records,
+    log_of,
+    need,
+    read_jsonl,
+    status_json,
+    stop,
+    wait_until,
+    write_prompts,
+)
+from tests.test_deploy import http_status
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = REPO / "compose.yaml"
+LOCAL_IMAGES = REPO / "ops" / "compose" / "local-images.sh"
+PROMPTS = REPO / "examples" / "prompts.jsonl"
+DATASET = "prompts"  # compose.yaml's enqueue: --dataset prompts
+HEARTBEAT_TTL = 10  # a SIGKILLed worker's jobs run elsewhere 8-13 s later (docs/failures.md)
+# Where Debian keeps a host's own CAs: a TLS-inspecting proxy's is there, and pip in the build needs it.
+LOCAL_CAS = Path("/usr/local/share/ca-certificates")
+PROJECT_LABEL = "io.podman.compose.project"  # on every container podman-compose makes
+GENQ_UID = 10001  # ops/Dockerfile's genq user
+
+
+def test_roles_started_before_redis_wait_for_it(procs, start_sim, out, tmp_path):
+    """Collector, worker and enqueue started while Redis is down (compose under podman starts them
+    all at once) wait for it, then run the dataset to the end."""
+    redis = EmbeddedRedis(tmp_path / "redis")
+    env = {"GENQ_REDIS_URL": redis.url}
+    sim = start_sim()
+    data = tmp_path / "early.jsonl"
+    prompts = write_prompts(data, 50)
+    # Not --burst: whichever of them met Redis before enqueue did would find nothing to do and exit.
+    collector = procs.start("collect", "--out", out, env=env)
+    worker = procs.start("worker", "--server", sim, env=env)
+    enqueue = procs.start("enqueue", data, "--max-new-tokens", "16", env=env)
+    roles = (collector, worker, enqueue)
+
+    def waiting() -> bool:
+        assert not (gone := [log_of(p) for p in roles if p.poll() is not None]), gone
+        return all("Redis unreachable" in log_of(p) for p in roles)
+
+    wait_until(waiting, 30, "every role to say it waits for Redis")
+    redis.start()
+    try:
+        assert enqueue.wait(60) == 0, log_of(enqueue)
+        raw = out / "early" / "raw_responses.jsonl"
+        wait_until(lambda: len(read_jsonl(raw)) == len(prompts), 60, "every record on disk")
+        for proc in (worker, collector):
+            assert stop(proc) == 0, log_of(proc)
+        check_records(out, "early", prompts, {"max_new_tokens": 16})
+        assert_adds_up(status_json(procs, env))
+    finally:
+        redis.stop()
+
+
+# -- podman -------------------------------------------------------------------------------------------
+
+
+def cannot(reason: str) -> NoReturn:
+    """This machine cannot run the containers: skip, except in CI, where .ci/run set podman up."""
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def run(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def podman_compose() -> str:
+    """podman-compose >= 1.1: Debian bookworm's 1.0.3 has no --profile (.ci/run installs 1.6.0)."""
+    path = need("podman-compose")
+    found = re.search(r"podman-compose version (\d+)\.(\d+)", run([path, "--version"], 60).stdout)
+    if not found or (int(found[1]), int(found[2])) < (1, 1):
+        cannot(f"{path} is older than 1.1, which --profile needs (.ci/run installs 1.6.0 from PyPI)")
+    return path
+
+
+def local_images(env: dict[str, str]) -> dict[str, str]:
+    """PYTHON_IMAGE and REDIS_IMAGE: the stand-ins made (or found cached) by local-images.sh."""
+    if os.geteuid() != 0:
+        cannot("debootstrap and podman's containers.conf set-up need root")
+    need("debootstrap")
+    result = run(["bash", str(LOCAL_IMAGES)], 900, env)
+    if result.returncode != 0:
+        cannot(f"podman cannot build images here: {result.stderr[-2000:]}")
+    return dict(re.findall(r"^export (\w+)=(\S+)$", result.stdout, re.M))
+
+
+def extra_ca_certs() -> str:
+    """This host's own CAs, for EXTRA_CA_CERTS: where a proxy inspects TLS (as in CI), pip in the
+    build fails without them."""
+    return "".join(p.read_text() for p in sorted(LOCAL_CAS.rglob("*.crt")))
+
+
+class Project:
+    """One compose project, named uniquely, with its own genq image; gone after down()."""
+
+    def __init__(self, compose: str, env: dict[str, str], empty_env_file: Path, timings: dict[str, float]):
+        self.timings = timings  # seconds per step, for the run's summary
+        self.name = "genqtest" + uuid.uuid4().hex[:8]
+        self.image = f"localhost/{self.name}:latest"
+        self.env = {**env, "GENQ_IMAGE": self.image}
+        self.argv = [compose, "--env-file", str(empty_env_file), "-p", self.name, "--profile", "demo"]
+        self.dns_retries = 0
+
+    def compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        result = run([*self.argv, *args], timeout, self.env)
+        assert result.returncode == 0, f"podman-compose {' '.join(args)}: {result.stderr[-3000:]}"
+        return result
+
+    def containers(self, service: str | None = None, all_states: bool = False) -> list[dict]:
+        argv = ["podman", "ps", "--format", "json", "--filter", f"label={PROJECT_LABEL}={self.name}"]
+        if service:
+            argv += ["--filter", f"label=com.docker.compose.service={service}"]
+        return json.loads(run(argv + ["--all"] * all_states, 60).stdout or "[]")
+
+    def one(self, service: str) -> str:
+        (container,) = self.containers(service)
+        return container["Names"][0]
+
+    def status(self) -> dict:
+        """`genq status --json`, run inside the compose network.
+
+        Right after a container leaves the network (the SIGKILLed worker), podman 4.3's DNS
+        (aardvark-dns, reloading) answers "Temporary failure in name resolution" for a moment:
+        that, and only that, is retried, for up to 10 s.
+        """
+        argv = ["podman", "exec", self.one("collector"), "genq", "status", "--json"]
+        for _ in range(10):
+            result = run(argv, 60)
+            if result.returncode == 0 or "Temporary failure in name resolution" not in result.stderr:
+                break
+            self.dns_retries += 1
+            time.sleep(1)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    def output(self) -> Path:
+        """The dataset's folder in the collector's volume, as it is on this host's disk."""
+        volume = f"{self.name}_genq-out"
+        mount = run(["podman", "volume", "inspect", "--format", "{{.Mountpoint}}", volume], 60)
+        assert mount.returncode == 0, mount.stderr
+        return Path(mount.stdout.strip()) / DATASET
+
+    def logs(self) -> str:
+        """The last lines of every container, for a failure's message."""
+        out = []
+        for c in self.containers(all_states=True):
+            name = c["Names"][0]
+            log = run(["podman", "logs", "--tail", "15", name], 60)
+            out.append(f"--- {name} ({c['State']}, exit {c['ExitCode']})\n{log.stdout}{log.stderr}")
+        return "\n".join(out)
+
+    def wait(self, cond, timeout: float, what: str):
+        try:
+            return wait_until(cond, timeout, what, interval=1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.logs()}") from None
+
+    def leftovers(self, image: bool = True) -> list[str]:
+        """Containers, volumes, networks and pods of this project, and its image, still there."""
+        found = [c["Names"][0] for c in self.containers(all_states=True)]
+        for kind in ("volume", "network", "pod"):
+            listing = run(["podman", kind, "ls", "--format", "{{.Name}}"], 60).stdout.split()
+            found += [f"{kind} {n}" for n in listing if self.name in n]
+        if image and run(["podman", "image", "exists", self.image], 60).returncode == 0:
+            found.append(f"image {self.image}")
+        return found
+
+
+@pytest.fixture
+def project(tmp_path) -> Iterator[Project]:
+    need("podman")
+    compose = podman_compose()
+    # Only what this test sets reaches compose: no GENQ_* or other compose variable of the caller's.
+    variables = set(re.findall(r"\$\{(\w+)", COMPOSE_FILE.read_text()))
+    env = {k: v for k, v in os.environ.items() if k not in variables}
+    started = time.monotonic()
+    images = local_images(env)
+    timings = {"base images": time.monotonic() - started}
+    env.update(
+        images,
+        EXTRA_CA_CERTS=extra_ca_certs(),
+        DASHBOARD_PORT=str(free_port()),
+        GENQ_HEARTBEAT_TTL=str(HEARTBEAT_TTL),
+    )
+    empty = tmp_path / "empty.env"
+    empty.touch()
+    proj = Project(compose, env, empty, timings)
+    yield proj
+    # The test's own `down` did this, unless it failed before.
+    if proj.leftovers(image=False):
+        run([*proj.argv, "down", "--volumes", "--timeout", "20"], 300, proj.env)
+    run(["podman", "rmi", "--force", proj.image], 120)
+    assert not proj.leftovers(), f"left behind: {proj.leftovers()}"
+
+
+@pytest.mark.containers
+@pytest.mark.timeout(900)
+def test_compose_demo_in_containers(project, report):
+    """Build, `up` with the demo profile, SIGKILL a worker container with jobs in flight, and
+    every prompt of examples/prompts.jsonl in the collector's volume exactly once."""
+    timings = project.timings
+    started = time.monotonic()
+    # One build (layers off: nothing left behind but the image), then up: every service shares it.
+    project.compose("--podman-build-args=--layers=false", "build", "collector", timeout=600)
+    timings["build"] = time.monotonic() - started
+    project.compose("up", "-d")
+    timings["up"] = time.monotonic() - started - timings["build"]
+    workers = project.containers("worker")
+    assert len(workers) == 2, "GENQ_WORKERS defaults to 2 worker containers (deploy.replicas)"
+    total = sum(1 for line in PROMPTS.open() if line.strip())
+
+    # A worker with jobs in flight, as its last report says; its container is the one of its host.
+    # First thing after `up`: the simulator's realistic latency keeps the demo's 200 prompts (16-512
+    # tokens, all in flight at once) busy for 30 s or more, and each look takes a second.
+    def busy() -> dict | None:
+        status = project.status()
+        done = status["datasets"].get(DATASET, {}).get("done", 0)
+        assert done < total, "the run ended before a worker could be killed with jobs in flight"
+        return next((w for w in status["workers"] if w["in_flight"]), None)
+
+    victim = project.wait(busy, 120, "a worker with jobs in flight")
+    (container,) = [c["Names"][0] for c in workers if c["Id"].startswith(victim["host"])]
+    assert run(["podman", "kill", "--signal", "KILL", container], 60).returncode == 0
+    killed_at = time.monotonic()
+
+    # The dashboard on its published loopback port, with its password only.
+    base = f"http://127.0.0.1:{project.env['DASHBOARD_PORT']}/"
+    project.wait(lambda: http_status(base) == 401, 60, "the dashboard")
+    password = (REPO / "ops/compose/dashboard-password.demo").read_text().strip()
+    assert http_status(base, ("genq", password)) == 200
+
+    # The CAs given with EXTRA_CA_CERTS (pip needed them to build: see extra_ca_certs) stayed in the
+    # build stage.
+    certs = "/usr/local/share/ca-certificates", "/etc/ssl/certs"
+    found = run(["podman", "exec", project.one("collector"), "find", *certs, "-name", "build-extra-*"], 60)
+    assert found.returncode == 0 and not found.stdout, f"in the image: {found.stdout}{found.stderr}"
+
+    def finished() -> bool:
+        counts = project.status()["datasets"][DATASET]
+        return counts["done"] == total and counts["in_flight"] == counts["queued"] == 0
+
+    project.wait(finished, 240, f"every prompt done after {victim['in_flight']} in flight were killed")
+    timings["recovery"] = time.monotonic() - killed_at
+    status = project.status()
+    assert_adds_up(status)
+    assert status["datasets"][DATASET]["failed"] == 0
+    folder = project.output()
+    raw = folder / "raw_responses.jsonl"
+    project.wait(lambda: len(read_jsonl(raw)) >= total, 60, "every record in the collector's volume")
+
+    # `compose stop` drains: the collector and the live workers exit 0 on SIGTERM (through the init).
+    # Named, so Redis outlives them: podman-compose stops all it stops at once, in no order.
+    project.compose("stop", "worker", "collector", timeout=300)
+    for service in ("collector", "worker"):
+        for c in project.containers(service, all_states=True):
+            if c["Names"][0] != container:
+                assert c["ExitCode"] == 0, f"{c['Names'][0]} exited {c['ExitCode']}\n{project.logs()}"
+
+    # On disk, the collector gone: every prompt exactly once, each with the server's answer, written
+    # by the image's unprivileged user; nothing in errors.jsonl.
+    records = read_jsonl(raw)
+    ids = Counter(r["id"] for r in records)
+    assert not (twice := [i for i, n in ids.items() if n > 1]), f"ids twice in {raw}: {twice[:10]}"
+    expected = {f"{DATASET}-{row}" for row in range(total)}
+    assert set(ids) == expected, f"missing {sorted(expected - set(ids))[:10]}, extra {set(ids) - expected}"
+    for r in records:
+        assert r["id"] == f"{DATASET}-{r['row']}" and r["output_ids"], r
+        assert r["completion_tokens"] == len(r["output_ids"]), r
+    assert not read_jsonl(folder / "errors.jsonl")
+    assert raw.stat().st_uid == GENQ_UID, f"{raw} owned by uid {raw.stat().st_uid}"
+    timings["build to stop"] = time.monotonic() - started
+
+    # `down` takes every container, volume, network and pod of the project with it.
+    project.compose("down", "--volumes", "--timeout", "20", timeout=300)
+    assert not (left := project.leftovers(image=False)), f"left behind by down: {left}"
+    timings["down"] = time.monotonic() - started - timings["build to stop"]
+    dns = f" ({project.dns_retries} genq status retried on a DNS blip)" if project.dns_retries else ""
+    report("containers: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + dns)
