@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import signal
@@ -71,8 +72,9 @@ class WorkerConfig:
 
     @property
     def prefetch(self) -> int:
-        """Jobs taken ahead of a free slot (started in RQ, waiting here): takes come in batches
-        of about half this, and a job starts the moment a slot frees."""
+        """Jobs taken ahead of a free slot (started in RQ, waiting here) at least: takes come in
+        batches of about half this, and a job starts the moment a slot frees. More while jobs end
+        faster than a take comes back (Worker._prefetch)."""
         return max(1, self.concurrency // 8)
 
     def attempt_timeout(self, max_new_tokens: int) -> float:
@@ -111,6 +113,9 @@ class Worker:
         self._in_flight: dict[asyncio.Task, Taken] = {}
         self._finishing = 0  # jobs of _in_flight handing their result over: they free their slot
         self._ready: deque[Taken] = deque()  # taken ahead, waiting for a slot
+        self._take_s = 0.0  # a take's round trip, smoothed
+        self._ended: deque[float] = deque(maxlen=256)  # when the last jobs ended: the rate slots free
+        self._aborts: set[asyncio.Task] = set()
         self._commits = GroupCommit(lambda charges, ends: self.redis(self.books.commit, charges, ends))
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
@@ -249,8 +254,8 @@ class Worker:
         """Start a job whenever a slot is free, from a few taken ahead (``prefetch``): jobs are taken
         in batches, one round trip each, and a freed slot never waits for Redis."""
         idle_polls = 0
-        prefetch = self.config.prefetch
         while not self._stopping.is_set():
+            prefetch = self._prefetch()
             self._slot_freed.clear()
             # Suspects waiting for their turn, and jobs handing their result over, hold no
             # connection: they take no slot.
@@ -262,7 +267,9 @@ class Worker:
                 free -= 1
             want = free + prefetch - len(self._ready)
             if self._server_up.is_set() and (free > 0 or len(self._ready) <= prefetch // 2):
+                asked = time.monotonic()
                 full, taken = await self.redis(self.books.take, min(want, 256), self.config.stream_limit)
+                self._take_s += (time.monotonic() - asked - self._take_s) / 4
                 self._ready.extend(taken)
                 if full and not taken:
                     await self._wait_for_collector(full)
@@ -278,6 +285,14 @@ class Worker:
                 await self.redis(self.books.refresh_queues)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._slot_freed.wait(), timeout=0.25 if free > 0 else 5)
+
+    def _prefetch(self) -> int:
+        """Enough jobs taken ahead to cover the slots that free while a take is on its way twice
+        over (a slow link to Redis, a busy Redis thread), within half the concurrency."""
+        ended = self._ended
+        rate = (len(ended) - 1) / (ended[-1] - ended[0]) if len(ended) > 1 and ended[-1] > ended[0] else 0.0
+        wanted = math.ceil(2 * rate * self._take_s)
+        return max(self.config.prefetch, min(wanted, self.config.concurrency // 2))
 
     def _drop_stale_ready(self) -> None:
         """Forget jobs taken ahead whose heartbeat could have lapsed (Redis unreachable for most
@@ -322,6 +337,7 @@ class Worker:
     def _job_done(self, task: asyncio.Task) -> None:
         taken = self._in_flight.pop(task, None)
         self._slot_freed.set()
+        self._ended.append(time.monotonic())
         if taken is not None:
             self._suspects.pop(taken.job.id, None)
             self._finishing -= taken.finishing
@@ -504,7 +520,11 @@ class Worker:
             metrics.attempt(time.monotonic() - sent, exc)
             tries.last = exc
             if exc.kind == "timeout":
-                await self.backend.abort(rid)
+                # In the background: an unreachable server would hold the job (and the gate's
+                # verdict) for the abort's own timeout.
+                abort = asyncio.create_task(self.backend.abort(rid))
+                self._aborts.add(abort)
+                abort.add_done_callback(self._aborts.discard)
             ending = await self._judge(t, tries, exc, attempt, served, life)
             if ending is not None:
                 await self._fail(t, *ending, turn)
@@ -550,7 +570,7 @@ class Worker:
             # No answer, and the server was unreachable or hung (a partition, SIGSTOP) meanwhile:
             # whatever it answered others before, no fault of this prompt.
             exc.down = True
-            return await self._spare(t, exc, attempt)
+            return await self._spare(t, exc, attempt, life)
         if cost is Cost.FATAL:
             return exc, attempt
         if cost is Cost.ATTEMPT:
@@ -560,12 +580,12 @@ class Worker:
             # prompt's own (SGLang's "Request running timeout reached." for a long generation).
             return None
         if cost is Cost.SERVER:
-            return await self._spare(t, exc, attempt)
+            return await self._spare(t, exc, attempt, life)
         await self.redis(self.books.spare, t.job.id, None)  # FREE or AUTH: no work was done
         if cost is Cost.AUTH:
             self._close_gate(f"the server refused the API key ({exc})", self._auth_works)
         elif exc.down:
-            self._note_server_failure(str(exc))
+            self._note_server_failure(str(exc), life)
         return None
 
     async def _answered_through(self, life: int) -> bool:
@@ -575,11 +595,13 @@ class Worker:
         healthy = await self.backend.healthy()
         return healthy and self._life == life and self._server_up.is_set()
 
-    async def _spare(self, t: Taken, exc: AttemptError, attempt: int) -> tuple[AttemptError, int] | None:
+    async def _spare(
+        self, t: Taken, exc: AttemptError, attempt: int, life: int
+    ) -> tuple[AttemptError, int] | None:
         """A send the server failed: not charged, but counted, and bounded by --max-spared."""
         spared = await self.redis(self.books.spare, t.job.id, self.keys.spared)
         if exc.down:
-            self._note_server_failure(str(exc))
+            self._note_server_failure(str(exc), life)
         if spared > self.config.max_spared:
             return AttemptError(
                 exc.kind,
@@ -667,8 +689,12 @@ class Worker:
 
     # -- the server gate --------------------------------------------------------------------
 
-    def _note_server_failure(self, why: str, at_once: bool = False) -> None:
-        """Decision 7: a server that is down gets probed, not fed jobs (nor burns their attempts)."""
+    def _note_server_failure(self, why: str, life: int | None = None, at_once: bool = False) -> None:
+        """Decision 7: a server that is down gets probed, not fed jobs (nor burns their attempts).
+        A failure of a send made before the server was last seen coming back (``life``) belongs
+        to the outage already over: it closes nothing, or the gate would flap."""
+        if life is not None and life != self._life:
+            return
         self._server_failures += 1
         if at_once or self._server_failures >= self.config.down_after:
             self._close_gate(f"server looks down ({why})", self.backend.healthy)
