@@ -3,8 +3,10 @@
 RQ's ``BaseWorker`` holds a single ``execution``; this subclass gives each in-flight job its
 own :class:`rq.executions.Execution`. Jobs are taken and finished in batches, writing RQ's keys
 as RQ's worker does (worker/rq_state.py); the rare failure goes through RQ's own
-``handle_job_failure``, with ``self.execution`` pointed at the job's just before. Every method
-here is synchronous and runs on one dedicated thread, so that swap is never interleaved.
+``handle_job_failure``, with ``self.execution`` pointed at the job's just before, under a lock.
+Every method here is synchronous and runs on a thread of the worker's: takes and maintenance each
+on their own (so neither waits behind the other's round trips on a slow link), everything else on
+one, in order (heartbeats and hand-overs must not overtake each other).
 
 RQ internals relied on (pinned ``rq==2.12.*``): the keys of worker/rq_state.py,
 ``Execution.heartbeat`` / ``delete``, ``handle_job_failure``, ``StartedJobRegistry.cleanup`` for
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections import Counter
@@ -92,6 +95,7 @@ class Bookkeeper(BaseWorker):
         )
         self._rotation = 0
         self._take_script = conn.register_script(rq_state.TAKE)
+        self._rq_lock = threading.Lock()  # RQ's single ``execution``, swapped for a failure
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -156,8 +160,10 @@ class Bookkeeper(BaseWorker):
                 spec = JobSpec.from_kwargs(p.job.kwargs)
             except Exception as exc:  # noqa: BLE001 - a payload we cannot read fails, loudly
                 log.error("job %s: unreadable payload (%s); failing it", p.job_id, exc, extra=ctx)
-                self.execution = p.execution
-                self._fail_unreadable(p.job, p.queue, str(exc))
+                with self._rq_lock:
+                    self.execution = p.execution
+                    self._fail_unreadable(p.job, p.queue, str(exc))
+                    self.execution = None
                 continue
             taken.append(Taken(p.job, p.queue, p.execution, spec, p.crashes, p.attempt))
         return [self._dataset(q) for q in full], taken
@@ -292,11 +298,12 @@ class Bookkeeper(BaseWorker):
         t.job.refresh()  # RQ saves the whole job
         t.job.ended_at = now()
         t.job.retries_left = 0  # ours is a final verdict: RQ must not requeue it
-        self.execution = t.execution
-        self.handle_job_failure(
-            t.job, t.queue, t.job.started_job_registry, exc_string=f"{error['error']}: {error['message']}"
-        )
-        self.execution = None
+        with self._rq_lock:
+            self.execution = t.execution
+            self.handle_job_failure(
+                t.job, t.queue, t.job.started_job_registry, exc_string=f"{error['error']}: {error['message']}"
+            )
+            self.execution = None
 
     def _hand_over(self, pipe, finished: list[Finished]) -> None:
         """Add results to the stream, counted per dataset, and forget the jobs' attempt counters."""

@@ -110,6 +110,10 @@ class Worker:
         self.backend: Backend
         self.books = Bookkeeper(conn, keys, config.heartbeat_ttl, config.server)
         self._redis_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genq-redis")
+        # Takes and maintenance on threads of their own: on a slow link a take must not wait
+        # behind the hand-overs and the reaper's round trips (worker/bookkeeping.py).
+        self._take_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genq-take")
+        self._maintenance_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genq-reap")
         self._in_flight: dict[asyncio.Task, Taken] = {}
         self._finishing = 0  # jobs of _in_flight handing their result over: they free their slot
         self._ready: deque[Taken] = deque()  # taken ahead, waiting for a slot
@@ -142,13 +146,14 @@ class Worker:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    async def redis(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run an RQ/Redis call on the Redis thread; ride out Redis restarts with backoff."""
+    async def redis(self, fn: Callable[..., T], *args: Any, on: ThreadPoolExecutor | None = None) -> T:
+        """Run an RQ/Redis call on the Redis thread (or ``on`` another); ride out Redis restarts
+        with backoff."""
         loop = asyncio.get_running_loop()
         delay = 0.5
         while True:
             try:
-                return await loop.run_in_executor(self._redis_thread, fn, *args)
+                return await loop.run_in_executor(on or self._redis_thread, fn, *args)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning(
                     "Redis unreachable (%s); retrying %s in %.1f s",
@@ -220,7 +225,8 @@ class Worker:
             for task in self._background:
                 task.cancel()
             await self.redis(self.books.stop)
-        self._redis_thread.shutdown(wait=True)
+        for thread in (self._take_thread, self._maintenance_thread, self._redis_thread):
+            thread.shutdown(wait=True)
         log.info("worker %s: stopped", self.books.name, extra=self._ctx())
 
     async def _know_server(self) -> ServerInfo | None:
@@ -268,7 +274,9 @@ class Worker:
             want = free + prefetch - len(self._ready)
             if self._server_up.is_set() and (free > 0 or len(self._ready) <= prefetch // 2):
                 asked = time.monotonic()
-                full, taken = await self.redis(self.books.take, min(want, 256), self.config.stream_limit)
+                full, taken = await self.redis(
+                    self.books.take, min(want, 256), self.config.stream_limit, on=self._take_thread
+                )
                 self._take_s += (time.monotonic() - asked - self._take_s) / 4
                 self._ready.extend(taken)
                 if full and not taken:
@@ -282,7 +290,7 @@ class Worker:
                 return
             idle_polls += 1
             if idle_polls % 20 == 0:
-                await self.redis(self.books.refresh_queues)
+                await self.redis(self.books.refresh_queues, on=self._take_thread)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._slot_freed.wait(), timeout=0.25 if free > 0 else 5)
 
@@ -320,7 +328,7 @@ class Worker:
     async def _all_done(self) -> bool:
         """--burst ends when nothing is queued and no worker has a job started (a dead one's
         jobs come back once their heartbeat lapses, and this worker should be there to run them)."""
-        await self.redis(self.books.refresh_queues)
+        await self.redis(self.books.refresh_queues, on=self._take_thread)
         return await self.redis(self.books.unfinished_count) == 0
 
     async def _wait_for_collector(self, full: list[str]) -> None:
@@ -759,6 +767,6 @@ class Worker:
     async def _maintenance(self) -> None:
         interval = max(2.0, self.config.heartbeat_ttl / 4)
         while True:
-            await self.redis(self.books.refresh_queues)
-            await self.redis(self.books.reap, int(interval))
+            await self.redis(self.books.refresh_queues, on=self._maintenance_thread)
+            await self.redis(self.books.reap, int(interval), on=self._maintenance_thread)
             await asyncio.sleep(interval)
