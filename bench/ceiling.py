@@ -143,9 +143,14 @@ def run_genq(cluster: Cluster, data: Path, n: int, args: argparse.Namespace, wor
     if not args.soak and enqueue.wait(TIMEOUT_S) != 0:
         raise RuntimeError(f"enqueue failed; see {cluster.work}")
     deadline = time.monotonic() + TIMEOUT_S
+    # A --burst collector started before anything is enqueued has nothing to do and exits.
+    while not cluster.conn.hexists(Keys(ns).datasets, dataset):
+        if enqueue.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"enqueue registered nothing; see {cluster.work}")
+        time.sleep(0.05)
     collector = cluster.start(f"{ns}-collector", "collect", "--out", str(out), "--burst", ns=ns)
     collector_log = cluster.work / f"{ns}-collector.log"
-    collector_cpu0 = ready_cpu(collector, collector_log, "draining", deadline)
+    collector_cpu0 = ready_cpu(collector, collector_log, "holds dataset", deadline)
     cluster.conn.config_resetstat()
     redis_cpu0, t0 = cluster.redis_cpu(), time.monotonic()
     burst = ("--burst", "--concurrency", str(args.concurrency))
@@ -195,7 +200,13 @@ def run_genq(cluster: Cluster, data: Path, n: int, args: argparse.Namespace, wor
         "collector_cpu_ms_per_job": 1000 * (ended[collector.pid][1] - collector_cpu0) / n,
         "redis_cpu_ms_per_job": 1000 * redis_cpu / n,
         "redis_commands": dict(sorted(commands.items(), key=lambda kv: -kv[1]["us_per_job"])),
-        "redis_memory_mb": {"min": min(memory) / 2**20, "max": max(memory) / 2**20} if memory else None,
+        "redis_memory_mb": {
+            "min": min(memory) / 2**20,
+            "max": max(memory) / 2**20,
+            "by_quarter": [round(memory[len(memory) * q // 4 - (q == 4)] / 2**20, 1) for q in (1, 2, 3, 4)],
+        }
+        if memory
+        else None,
     }
 
 
@@ -272,7 +283,8 @@ def soak(args: argparse.Namespace, work: Path) -> dict:
     mem = result["redis_memory_mb"]
     console.print(
         f"{args.soak:,} prompts, two workers, --max-queued {args.max_queued}: every id on disk once; "
-        f"{args.soak / result['wall_exit_s']:,.0f} jobs/s; Redis memory {mem['min']:.1f}-{mem['max']:.1f} MB"
+        f"{args.soak / result['wall_exit_s']:,.0f} jobs/s; Redis memory {mem['min']:.1f}-{mem['max']:.1f} MB "
+        f"(at each quarter of the run: {', '.join(f'{m:.0f}' for m in mem['by_quarter'])} MB)"
     )
     return result
 

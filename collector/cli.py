@@ -138,7 +138,7 @@ class Loop:
             if self.call(lambda: self._step(block_ms)):
                 continue
             if time.monotonic() - self._last_reap > REAP_EVERY_S:
-                self.call(lambda: reap(c.conn, c.keys, c.lease_id, REAP_EVERY_S))
+                self.call(lambda: reap(c.conn, c.keys, REAP_EVERY_S))
                 self._last_reap = time.monotonic()
             nothing_left = burst and self.call(c.work_left) == 0
             if nothing_left or time.monotonic() - last_sweep > SWEEP_EVERY_S:

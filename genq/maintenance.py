@@ -37,7 +37,7 @@ return 1
 """
 
 
-def reap(conn: redis.Redis, keys: Keys, owner: str, interval_s: int) -> bool:
+def reap(conn: redis.Redis, keys: Keys, interval_s: int) -> bool:
     """Requeue abandoned and stranded jobs; at most once per caller's interval across the namespace."""
     if not conn.eval(_CLAIM, 1, keys.maintenance_lock, max(1, interval_s)):
         return False
@@ -49,6 +49,9 @@ def reap(conn: redis.Redis, keys: Keys, owner: str, interval_s: int) -> bool:
         registry.cleanup()
         _requeue_stranded(conn, keys, queue, max(STRANDED_MIN_S, STRANDED_INTERVALS * interval_s))
         worker_registration.clean_worker_registry(queue)
+        # RQ's own workers trim these in their maintenance; genq's must too, or a finished
+        # registry keeps every job of the run (~120 bytes each) long after the job expired.
+        queue.finished_job_registry.cleanup()
     return True
 
 

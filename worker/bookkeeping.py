@@ -331,7 +331,7 @@ class Bookkeeper(BaseWorker):
     # -- maintenance ------------------------------------------------------------------------
 
     def reap(self, interval_s: int) -> None:
-        reap(self.connection, self.keys, self.name, interval_s)
+        reap(self.connection, self.keys, interval_s)
 
     def unfinished_count(self) -> int:
         """Jobs queued or started anywhere: a dead worker's started jobs come back to the queue."""
