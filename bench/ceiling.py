@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import cpu_s, machine, write_prompts  # noqa: E402
-from genq.embedded import EmbeddedRedis  # noqa: E402
+from genq.embedded import HASH_VALUE_LIMIT, EmbeddedRedis  # noqa: E402
 from genq.keys import Keys  # noqa: E402
 from genq.processes import genq_command, spawn, wait_for_line  # noqa: E402
 
@@ -211,25 +211,32 @@ def run_genq(cluster: Cluster, data: Path, n: int, args: argparse.Namespace, wor
 
 
 def measure_enqueue(cluster: Cluster, n: int) -> dict:
-    """Enqueue rate in process, and the Redis bytes a queued job costs beyond its prompt ids."""
+    """Enqueue rate in process, and the Redis bytes a queued job costs beyond its prompt ids: with
+    genq's Redis settings (docs/cluster.md), then again with Redis's default hash encoding."""
     from producer.enqueue import Options, enqueue_dataset
 
     data = cluster.work / "enqueue.jsonl"
     ids_bytes = sum(len(orjson.dumps(ids)) for ids in write_prompts(data, n))
-    keys = Keys(f"e{uuid.uuid4().hex[:6]}")
-    before = int(cluster.conn.info("memory")["used_memory"])
-    t0 = time.perf_counter()
-    summary = enqueue_dataset(cluster.conn, keys, [data], "enqueue", {"max_new_tokens": 256}, 1, Options())
-    seconds = time.perf_counter() - t0
-    assert summary.enqueued == n, summary
-    after = int(cluster.conn.info("memory")["used_memory"])
-    return {
-        "prompts": n,
-        "seconds": seconds,
-        "prompts_per_s": n / seconds,
-        "bytes_per_job": (after - before) / n,
-        "bytes_per_job_beyond_ids": (after - before - ids_bytes) / n,
-    }
+    out: dict = {"prompts": n}
+    for setting, limit in (("", HASH_VALUE_LIMIT), ("_redis_default", 64)):
+        cluster.conn.config_set("hash-max-listpack-value", limit)
+        keys = Keys(f"e{uuid.uuid4().hex[:6]}")
+        before = int(cluster.conn.info("memory")["used_memory"])
+        t0 = time.perf_counter()
+        summary = enqueue_dataset(
+            cluster.conn, keys, [data], "enqueue", {"max_new_tokens": 256}, 1, Options()
+        )
+        seconds = time.perf_counter() - t0
+        assert summary.enqueued == n, summary
+        after = int(cluster.conn.info("memory")["used_memory"])
+        if not setting:
+            out |= {"seconds": seconds, "prompts_per_s": n / seconds}
+        out |= {
+            f"bytes_per_job{setting}": (after - before) / n,
+            f"bytes_per_job_beyond_ids{setting}": (after - before - ids_bytes) / n,
+        }
+    cluster.conn.config_set("hash-max-listpack-value", HASH_VALUE_LIMIT)
+    return out
 
 
 def report(args: argparse.Namespace, bare_wall: float, bare_cpu: float, genq: dict, enq: dict) -> dict:
@@ -255,7 +262,9 @@ def report(args: argparse.Namespace, bare_wall: float, bare_cpu: float, genq: di
     }
     console.print(
         f"enqueue: {enq['prompts_per_s']:,.0f} prompts/s; a queued job: {enq['bytes_per_job']:,.0f} B "
-        f"of Redis, {enq['bytes_per_job_beyond_ids']:,.0f} B beyond its prompt ids"
+        f"of Redis, {enq['bytes_per_job_beyond_ids']:,.0f} B beyond its prompt ids "
+        f"({enq['bytes_per_job_beyond_ids_redis_default']:,.0f} B with Redis's default "
+        "hash-max-listpack-value)"
     )
     console.print(
         f"ceiling: one Redis core carries {ceiling['redis_jobs_per_s']:,.0f} jobs/s, "

@@ -29,6 +29,7 @@ REAP_EVERY_S = 15
 CLAIM_EVERY_S = 2.0
 # After a batch smaller than --batch, wait this long before reading again: the next batch gathers
 # meanwhile, so a record costs fewer fsyncs and round trips, and reaches disk at most this late.
+# (Not when --burst finds nothing left: it exits at once.)
 LINGER_S = 0.05
 
 
@@ -135,7 +136,10 @@ class Loop:
                 last_claim = time.monotonic()
                 if not c.held and not held:
                     self._say_standby()
-            if self.call(lambda: self._step(block_ms)):
+            written = self.call(lambda: self._step(block_ms))
+            if written and not (burst and written < c.batch and self.call(c.work_left) == 0):
+                if written < c.batch:
+                    time.sleep(LINGER_S)
                 continue
             if time.monotonic() - self._last_reap > REAP_EVERY_S:
                 self.call(lambda: reap(c.conn, c.keys, REAP_EVERY_S))
@@ -155,15 +159,14 @@ class Loop:
                 "collector: standing by: its datasets are held by other collectors, or none is enqueued yet"
             )
 
-    def _step(self, block_ms: int) -> bool:
+    def _step(self, block_ms: int) -> int:
+        """One batch read and written; how many entries it held."""
         c = self.collector
         c.renew_leases()
         items = c.read(block_ms)
         if items:
             c.write(items)
-            if len(items) < c.batch:
-                time.sleep(LINGER_S)
-        return bool(items)
+        return len(items)
 
     def call(self, fn: Callable[[], T]) -> T:
         """Call ``fn`` until it works. After a failure the files are reconciled first: lines may

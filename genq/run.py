@@ -36,6 +36,8 @@ class Interrupted(Exception):
 
 # Every `genq enqueue` option that `genq run` does not set itself, copied without its callback:
 # run forwards what was typed to enqueue, which converts and checks it (one place does that).
+# How often `genq run` looks at the progress: the end is noticed at most this late.
+FOLLOW_EVERY_S = 0.1
 _RUN_OWN = {"files", "dataset", "server", "backend", "redis_url", "namespace", "register_only"}
 
 
@@ -287,4 +289,4 @@ def _follow(conn, keys: Keys, pool, collector, worker_argv, logs: Path, env) -> 
             raise click.ClickException(
                 f"the collector exited ({collector.returncode}); see OUT/.logs/collector.log"
             )
-        time.sleep(0.5)
+        time.sleep(FOLLOW_EVERY_S)
