@@ -43,6 +43,7 @@ LOCAL_IMAGES = REPO / "ops" / "compose" / "local-images.sh"
 PROMPTS = REPO / "examples" / "prompts.jsonl"
 DATASET = "prompts"  # compose.yaml's enqueue: --dataset prompts
 HEARTBEAT_TTL = 10  # a SIGKILLed worker's jobs run elsewhere 8-13 s later (docs/failures.md)
+SIM_MIN_LEN = 384  # the demo simulator's shortest answer (compose.yaml: GENQ_SIM_MIN_LEN)
 # Where Debian keeps a host's own CAs: a TLS-inspecting proxy's is there, and pip in the build needs it.
 LOCAL_CAS = Path("/usr/local/share/ca-certificates")
 PROJECT_LABEL = "io.podman.compose.project"  # on every container podman-compose makes
@@ -212,6 +213,9 @@ def project(tmp_path) -> Iterator[Project]:
         EXTRA_CA_CERTS=extra_ca_certs(),
         DASHBOARD_PORT=str(free_port()),
         GENQ_HEARTBEAT_TTL=str(HEARTBEAT_TTL),
+        # Every answer 384-512 tokens: with all 200 in flight, none is done for ~30 s, however
+        # fast genq is and however slow `podman exec` is on a loaded machine.
+        GENQ_SIM_MIN_LEN=str(SIM_MIN_LEN),
     )
     empty = tmp_path / "empty.env"
     empty.touch()
@@ -241,8 +245,8 @@ def test_compose_demo_in_containers(project, report):
     total = sum(1 for line in PROMPTS.open() if line.strip())
 
     # A worker with jobs in flight, as its last report says; its container is the one of its host.
-    # First thing after `up`: the simulator's realistic latency keeps the demo's 200 prompts (16-512
-    # tokens, all in flight at once) busy for 30 s or more, and each look takes a second.
+    # First thing after `up`: the simulator's realistic latency keeps the demo's 200 prompts
+    # (SIM_MIN_LEN-512 tokens, all in flight at once) busy for 30 s or more; a look takes a second.
     def busy() -> dict | None:
         status = project.status()
         done = status["datasets"].get(DATASET, {}).get("done", 0)
