@@ -125,7 +125,6 @@ class Collector:
         self._renew = conn.register_script(_RENEW)
         self.written = 0
         self.duplicates = 0
-        self.reconciles = 0  # files re-read into Redis so far: a write's earlier reads are stale after one
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -245,7 +244,6 @@ class Collector:
         # Reconciling writes too (torn tails cut, checkpoints, done bits, token counts): a collector
         # that was cut off must know it still holds the folder before it touches any of it.
         self.fence([name])
-        self.reconciles += 1
         for kind, filename in ((KIND_ERROR, ERRORS), (KIND_RECORD, RAW)):
             path = self.out / name / filename
             cut = cut_torn_tail(path)
@@ -430,12 +428,7 @@ class Collector:
             done_bits, failed_bits = next(pairs), next(pairs)
             for index, done, failed in zip(indexes, done_bits, failed_bits, strict=True):
                 bits[name, index] = (done, failed)
-        reconciles = self.reconciles
         self.fence(by_dataset)  # right before the files are touched: the reads above may have waited on Redis
-        if self.reconciles != reconciles:
-            # Fencing took a lease back and re-read the files (Redis had gone back in time): the
-            # bits read above are stale, and lines they call new may be on disk now.
-            return self.write(items)
         seen: set[tuple[str, int]] = set()
         before = {key: f.synced_size for key, f in self._files.items()}  # where this batch began
         to_mark = []
