@@ -14,6 +14,7 @@ import click
 import redis
 
 from collector import metrics
+from collector.checkpoint import Stale
 from collector.drain import Collector, LeaseHeld, WriteFailed
 from genq.keys import Keys, validate_name
 from genq.logs import logging_options, setup_logging
@@ -182,6 +183,8 @@ class Loop:
                 if self.stop and failing_since is not None:
                     raise
                 log.warning("Redis unreachable (%s); retrying in %.1f s", exc, delay)
+            except Stale as exc:  # Redis kept losing writes while the files were re-read
+                log.warning("%s; re-reading the files again in %.1f s", exc, delay)
             except (WriteFailed, OSError) as exc:
                 log.error("%s; nothing of it was acknowledged, retrying in %.1f s", exc, delay)
                 if failing_since is not None and time.monotonic() - failing_since > self.give_up_after:

@@ -25,6 +25,7 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 
 from collector import metrics
+from collector.checkpoint import Checkpoints, Commands, Stale
 from collector.files import ERRORS, RAW, Appender, cut_torn_tail, scan
 from genq import datasets as datasets_mod
 from genq import tokens
@@ -43,6 +44,9 @@ LEASE_TTL_S = 15
 # Stop writing this long before the lease could lapse, by this process's own clock: a collector
 # cut off from Redis cannot renew it, and another may take over once it lapses.
 FENCE_MARGIN_S = 3.0
+RECONCILE_CHUNK = 3000  # lines marked per checkpoint move when files are re-read
+RECONCILE_TRIES = 5
+ACK_PER_COMMAND = 1000  # re-reads of a dataset restarted because Redis lost writes meanwhile
 
 
 _DELETE_IF = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
@@ -123,6 +127,7 @@ class Collector:
         self._pending_checked = time.monotonic()
         self._legacy = False  # the stream of older releases holds entries (looked at by claim)
         self._renew = conn.register_script(_RENEW)
+        self.checkpoints = Checkpoints(conn, keys.collector_offsets)
         self.written = 0
         self.duplicates = 0
 
@@ -173,13 +178,14 @@ class Collector:
         self.conn.set(self.keys.collector_ready(name), self.lease_id)
         log.info("collector %s: holds dataset %s", self.lease_id, name, extra={"dataset": name})
 
-    def renew_leases(self, force: bool = False) -> None:
+    def renew_leases(self, force: bool = False) -> set[str]:
         """Keep every lease held, in one round trip once a third of the TTL has passed; take one
         again if Redis lost it (a failover or a restart from an older snapshot forgets recent
-        writes), but never from another collector: a lease another holds stops this one."""
+        writes), but never from another collector: a lease another holds stops this one. The
+        datasets taken again (their files re-read)."""
         now = time.monotonic()
         if not self.held or (not force and all(now - t < LEASE_TTL_S / 3 for t in self.held.values())):
-            return
+            return set()
         names = list(self.held)
         with self.conn.pipeline(transaction=False) as pipe:
             for name in names:
@@ -192,9 +198,11 @@ class Collector:
             raise LeaseHeld(
                 f"lost the collector lease of {', '.join(lost)} in namespace {self.keys.namespace!r}"
             )
+        retaken = set()
         for name, renewed in zip(names, replies, strict=True):
             self.held[name] = now
             if renewed == 2:
+                retaken.add(name)
                 log.warning(
                     "Redis had lost this collector's lease of %s (a failover?): took it again; "
                     "re-reading its files",
@@ -203,6 +211,7 @@ class Collector:
                 )
                 self._close_files(name)
                 self._take_over(name)
+        return retaken
 
     def fence(self, names: Collection[str]) -> None:
         """Self-fencing, checked before the files of ``names`` are touched, on this process's own
@@ -244,15 +253,25 @@ class Collector:
         # Reconciling writes too (torn tails cut, checkpoints, done bits, token counts): a collector
         # that was cut off must know it still holds the folder before it touches any of it.
         self.fence([name])
-        for kind, filename in ((KIND_ERROR, ERRORS), (KIND_RECORD, RAW)):
-            path = self.out / name / filename
-            cut = cut_torn_tail(path)
-            if cut:
-                log.warning(
-                    "%s: cut a torn last line (%d bytes) left by a crash", path, cut, extra={"dataset": name}
-                )
-            self._reconcile_file(name, kind, path)
-        self._reconcile_logprobs(name)
+        for tries in range(RECONCILE_TRIES):
+            try:
+                for kind, filename in ((KIND_ERROR, ERRORS), (KIND_RECORD, RAW)):
+                    path = self.out / name / filename
+                    cut = cut_torn_tail(path)
+                    if cut:
+                        log.warning(
+                            "%s: cut a torn last line (%d bytes) left by a crash",
+                            path,
+                            cut,
+                            extra={"dataset": name},
+                        )
+                    self._reconcile_file(name, kind, path)
+                self._reconcile_logprobs(name)
+                return
+            except Stale:
+                if tries + 1 == RECONCILE_TRIES:
+                    raise
+                log.warning("Redis lost writes while %s was re-read: reading it again", name)
 
     def _reconcile_logprobs(self, name: str) -> None:
         """Keep the frames past the checkpoint whose record is on disk (marked done just above);
@@ -262,9 +281,9 @@ class Collector:
         if not path.exists():
             return
         field = str(path)
-        offset = int(self.conn.hget(self.keys.collector_offsets, field) or 0)
+        (stored,) = self.checkpoints.read([field])
         size = path.stat().st_size
-        offset = 0 if offset > size else offset
+        offset = 0 if stored > size else stored
         done = self.conn.get(self.keys.done(name)) or b""
         samples = self._settings[name].samples
         keep = offset
@@ -287,17 +306,20 @@ class Collector:
                 size - keep,
                 extra={"dataset": name},
             )
-        self.conn.hset(self.keys.collector_offsets, field, keep)
+        self.checkpoints.commit({field: (stored, keep)})
 
     def _reconcile_file(self, name: str, kind: bytes, path: Path) -> None:
+        """Mark the ids of the lines past the checkpoint, moving it a chunk at a time: each chunk's
+        marks and token counts land with its checkpoint move, or (Stale) not at all."""
         field = str(path)
         size = path.stat().st_size if path.exists() else 0
-        offset = int(self.conn.hget(self.keys.collector_offsets, field) or 0)
+        (stored,) = self.checkpoints.read([field])
+        offset = stored
         if offset > size:
             log.warning("%s is shorter than its checkpoint: re-reading all of it", path)
             offset = 0
         samples = self._settings[name].samples
-        # Records whose done bit is still 0 get their tokens counted, in the MULTI that sets the
+        # Records whose done bit is still 0 get their tokens counted, with the chunk that sets the
         # bit: a crash between chunks leaves each chunk counted once or not at all.
         done = (self.conn.get(self.keys.done(name)) or b"") if kind == KIND_RECORD else None
         live = self.conn.hexists(self.keys.tokens(name), "first_at")
@@ -305,23 +327,22 @@ class Collector:
         seen: set[int] = set()
         marked = 0
         indexes: list[int] = []
-        pipe = self.conn.pipeline(transaction=True)
-        for _, obj in scan(path, offset):
+
+        def body(commands: Commands) -> None:
+            self._mark(commands, name, kind, indexes)
+            tokens.add(commands, self.keys, name, uncounted, None, live)
+
+        for end, obj in scan(path, offset):
             index = bit_index(obj["row"], obj["sample"], samples)
             indexes.append(index)
             if done is not None and not is_set(done, index) and index not in seen:
                 seen.add(index)
                 uncounted.append(obj)
             marked += 1
-            if len(indexes) >= 3000:
-                self._mark(pipe, name, kind, indexes)
-                tokens.add(pipe, self.keys, name, uncounted, None, live)
-                pipe.execute()
-                indexes, uncounted = [], []
-        self._mark(pipe, name, kind, indexes)
-        tokens.add(pipe, self.keys, name, uncounted, None, live)
-        pipe.hset(self.keys.collector_offsets, field, size)
-        pipe.execute()
+            if len(indexes) >= RECONCILE_CHUNK:
+                self.checkpoints.commit({field: (stored, end)}, body)
+                stored, indexes, uncounted = end, [], []
+        self.checkpoints.commit({field: (stored, size)}, body)
         if marked:
             log.info(
                 "%s: marked %d ids found on disk past the checkpoint", path, marked, extra={"dataset": name}
@@ -340,6 +361,15 @@ class Collector:
     def read(self, block_ms: int) -> list[Item]:
         """From the streams of the datasets held: entries delivered before but not acknowledged
         (after a crash, a failed write, or under the previous holder) first, then new ones."""
+        try:
+            return self._read(block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._lost_writes(list(self.held))  # a Redis from before the group was made
+            return []
+
+    def _read(self, block_ms: int) -> list[Item]:
         if time.monotonic() - self._pending_checked > PENDING_CHECK_S:
             # A read sent before a partition can reach Redis after it, and deliver entries to
             # nobody: they wait, delivered but unread, until a collector reads its pending ones.
@@ -416,12 +446,21 @@ class Collector:
         by_dataset: dict[str, list[int]] = {}
         for _, name, index in placed:
             by_dataset.setdefault(name, []).append(index)
+        # The bits say which ids are on disk only if Redis still holds this collector's last
+        # checkpoints: the offsets are read with them (collector/checkpoint.py).
+        synced = {field: (name, size) for name in by_dataset for field, size in self._synced(name).items()}
         with self.conn.pipeline(transaction=False) as pipe:
             for name, indexes in by_dataset.items():
                 get_bits(pipe, self.keys.done(name), indexes)
                 get_bits(pipe, self.keys.failed(name), indexes)
+            pipe.hmget(self.keys.collector_offsets, list(synced))
             pipe.time()  # Redis's clock, for the token rate (genq/tokens.py)
-            *replies, (sec, usec) = pipe.execute()
+            *replies, stored, (sec, usec) = pipe.execute()
+        kept = zip(synced.values(), stored, strict=True)
+        behind = {name for (name, size), value in kept if int(value or 0) != size}
+        if behind:
+            self._lost_writes(behind, by_dataset)
+            return 0
         bits: dict[tuple[str, int], tuple[int, int]] = {}
         pairs = iter(replies)
         for name, indexes in by_dataset.items():
@@ -449,38 +488,77 @@ class Collector:
                     new_records.setdefault(name, []).append(item.data)
             # Frames first, lines after: a crash between them leaves frames of records not on disk,
             # which the start-up cuts; never a record whose frame is missing.
-            ordered = sorted(self._files.values(), key=lambda f: f.path.name != LOGPROBS)
-            offsets = {str(f.path): f.sync() for f in ordered}
+            files = [(key, f) for key, f in self._files.items() if key[0] in by_dataset]
+            files.sort(key=lambda kf: kf[1].path.name != LOGPROBS)
+            moves = {str(f.path): (before.get(key, f.opened_size), f.sync()) for key, f in files}
         except OSError as exc:
             for key, f in self._files.items():
                 with contextlib.suppress(OSError):
                     f.roll_back(before.get(key, f.opened_size))
             raise WriteFailed(f"writing to {self.out} failed: {exc}") from exc
-        self.duplicates += duplicates
         now = sec + usec / 1e6
-        with self.conn.pipeline(transaction=True) as pipe:
+
+        def body(commands: Commands) -> None:
             marks: dict[tuple[str, bytes], list[int]] = {}
             for name, kind, index in to_mark:
                 marks.setdefault((name, kind), []).append(index)
             for (name, kind), indexes in marks.items():
-                self._mark(pipe, name, kind, indexes)
+                self._mark(commands, name, kind, indexes)
             for name, records in new_records.items():
-                tokens.add(pipe, self.keys, name, records, now, live=True)
-            if offsets:
-                pipe.hset(self.keys.collector_offsets, mapping=offsets)
+                tokens.add(commands, self.keys, name, records, now, live=True)
             acked: dict[str, list[bytes]] = {}
             for item, _, _ in placed:
                 if item.entry_id is not None:
                     acked.setdefault(item.stream, []).append(item.entry_id)
             for stream, entry_ids in acked.items():
-                pipe.xack(stream, self.keys.results_group, *entry_ids)
-                pipe.xdel(stream, *entry_ids)
+                for at in range(0, len(entry_ids), ACK_PER_COMMAND):
+                    commands.xack(stream, self.keys.results_group, *entry_ids[at : at + ACK_PER_COMMAND])
+                    commands.xdel(stream, *entry_ids[at : at + ACK_PER_COMMAND])
             for name, count in Counter(n for i, n, _ in placed if i.entry_id is not None).items():
-                pipe.hincrby(self.keys.in_stream, name, -count)
-            pipe.execute()
+                commands.hincrby(self.keys.in_stream, name, -count)
+
+        try:
+            self.checkpoints.commit(moves, body)
+        except Stale:
+            # Redis lost writes between the reads above and now: the lines just written are on
+            # disk unmarked, and the files are read again into Redis before anything else.
+            self._lost_writes(set(by_dataset), by_dataset)
+            return 0
+        self.duplicates += duplicates
         self.written += len(to_mark)
         metrics.written([(n, k) for n, k, _ in to_mark], new_records, duplicates, time.monotonic() - started)
         return len(to_mark)
+
+    def _synced(self, name: str) -> dict[str, int]:
+        """Each file of dataset ``name`` and the size this collector last committed as its checkpoint
+        (what Redis holds unless it lost writes)."""
+        sizes = {}
+        for filename in (RAW, ERRORS, LOGPROBS):
+            path = self.out / name / filename
+            f = self._files.get((name, filename))
+            if f is not None:
+                sizes[str(path)] = f.synced_size
+            else:
+                sizes[str(path)] = path.stat().st_size if path.exists() else 0
+        return sizes
+
+    def _lost_writes(self, names: Collection[str], batch: Collection[str] = ()) -> None:
+        """Redis does not hold this collector's last writes to ``names`` (it restarted from an older
+        snapshot, or failed over to a replica that missed them): take them over again, reading the
+        files past the checkpoints it kept. The batch's entries stay pending, are read again next,
+        and dropped if on disk."""
+        log.warning(
+            "Redis lost this collector's last writes of %s (a restart from an older snapshot, or a "
+            "failover?): re-reading the files past the checkpoints it kept",
+            ", ".join(sorted(names)),
+        )
+        # The lease first: Redis may have lost it too, and another collector must not take it
+        # meanwhile (a lease another holds by now stops this one).
+        retaken = self.renew_leases(force=True)
+        for name in set(names) - retaken:
+            self._close_files(name)
+            self._take_over(name)
+        self._unacked.update(batch)
 
     def _logprobs_file(self, name: str) -> Appender:
         key = (name, LOGPROBS)

@@ -23,12 +23,21 @@ def indexes(bitmap: bytes) -> list[int]:
     return out
 
 
+# Bits per BITFIELD: a command stays small enough for a Lua script to pass on (its unpack stops
+# near 8,000 values; collector/checkpoint.py).
+BITS_PER_COMMAND = 1000
+
+
 def set_bits(pipe, key: str, indexes: Iterable[int], value: int = 1) -> None:
-    """Queue one BITFIELD that sets every bit of ``indexes`` to ``value``: a SETBIT per job would
-    be a Redis command per job, and commands, not bits, are what Redis spends its CPU on."""
+    """Queue BITFIELDs that set every bit of ``indexes`` to ``value``, a thousand bits each: a
+    SETBIT per job would be a Redis command per job, and commands, not bits, are what Redis spends
+    its CPU on."""
     args: list[object] = []
     for index in indexes:
         args += ("SET", "u1", index, value)
+        if len(args) == 4 * BITS_PER_COMMAND:
+            pipe.execute_command("BITFIELD", key, *args)
+            args = []
     if args:
         pipe.execute_command("BITFIELD", key, *args)
 

@@ -1,0 +1,87 @@
+"""Commits that apply only to the Redis this collector left them in.
+
+A Redis restarted from an older snapshot, or a failover to a replica that missed the last writes,
+forgets the marks and checkpoints of recent commits while the files keep their lines. A collector
+that went on as if nothing happened would trust bits that say "not on disk" for lines that are,
+and append them again; a commit sent just before a restart and retried on the new server would
+move a checkpoint past lines whose marks were lost. Redis-py reconnects and retries on its own, so
+a restart need not show as an error at all.
+
+So the checkpoint offsets double as a sequence number: every commit that appends lines moves an
+offset, and a commit applies only if each offset still holds the value this collector last gave
+it — checked and applied in one script, atomically. A commit refused (``Stale``) means Redis lost
+this collector's writes: the files past the checkpoint it kept are read again into Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import redis
+from redis.commands.core import CoreCommands
+
+# ARGV: n, then n triples (field, expected, new), then commands, each its argument count and its
+# arguments. A field never set counts as 0. Lua's unpack stops near 8,000 values, so callers keep
+# each command well under that (genq/bitmaps.py splits its BITFIELDs).
+_COMMIT = """
+local n = tonumber(ARGV[1])
+for i = 0, n - 1 do
+  if (redis.call('hget', KEYS[1], ARGV[2 + 3 * i]) or '0') ~= ARGV[3 + 3 * i] then return 0 end
+end
+for i = 0, n - 1 do
+  redis.call('hset', KEYS[1], ARGV[2 + 3 * i], ARGV[4 + 3 * i])
+end
+local i = 2 + 3 * n
+while i <= #ARGV do
+  local count = tonumber(ARGV[i])
+  redis.call(unpack(ARGV, i + 1, i + count))
+  i = i + count + 1
+end
+return 1
+"""
+MAX_ARGS = 7000
+
+
+class Stale(Exception):
+    """Redis does not hold the checkpoints this collector last committed: it lost writes."""
+
+
+class Commands(CoreCommands):
+    """redis-py's command methods, recorded instead of sent (the body of a commit)."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple] = []
+
+    def execute_command(self, *args, **options) -> None:
+        if len(args) > MAX_ARGS:
+            raise ValueError(f"{args[0]} with {len(args)} arguments: split it (Lua's unpack limit)")
+        self.stack.append(args)
+
+
+class Checkpoints:
+    """The offsets hash of a namespace, moved only by ``commit``."""
+
+    def __init__(self, conn: redis.Redis, key: str) -> None:
+        self.conn = conn
+        self.key = key
+        self._commit = conn.register_script(_COMMIT)
+
+    def read(self, fields: list[str]) -> list[int]:
+        values = self.conn.hmget(self.key, fields) if fields else []
+        return [int(v or 0) for v in values]
+
+    def commit(
+        self, moves: Mapping[str, tuple[int, int]], body: Callable[[Commands], None] | None = None
+    ) -> None:
+        """Set each field of ``moves`` from its first value to its second and run ``body``'s
+        commands, all at once, if every field still holds its first value; else ``Stale``."""
+        commands = Commands()
+        if body is not None:
+            body(commands)
+        args: list[object] = [len(moves)]
+        for field, (old, new) in moves.items():
+            args += (field, old, new)
+        for command in commands.stack:
+            args += (len(command), *command)
+        if not self._commit(keys=[self.key], args=args):
+            raise Stale(f"checkpoints {sorted(moves)} are not where this collector left them")
