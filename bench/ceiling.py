@@ -6,11 +6,14 @@
 
 One simulated SGLang server with a continuous-batching latency model (a step of 16 tokens costs
 30 ms + 0.1 ms per running sequence), pre-tokenized prompts, at most 256 new tokens. First a bare
-aiohttp client sends every prompt (128 in flight) and waits for all answers; then genq does the
-same work end to end: a private redis-server, the queue prefilled by `genq enqueue`, one `genq
-worker --burst` and one `genq collect --burst`, timed from the worker's start until both
-processes have exited. CPU per job is counted per process from the moment it was ready (its
-imports and start-up are not per-job costs); Redis's from its own /proc counters.
+aiohttp client (bench/bare_client.py) sends every prompt (128 in flight) and waits for all
+answers, in this process and then as a process of its own timed from spawn to exit; then genq does
+the same work end to end: a private redis-server, the queue prefilled by `genq enqueue`, one `genq
+worker --burst` and one `genq collect --burst`, timed from the worker's spawn until both
+processes have exited. Against the bare client in process, genq's wall time also holds Python's
+start-up and imports; against the bare process both sides pay them. CPU per job is counted per
+process from the moment it was ready (its imports and start-up are not per-job costs); Redis's
+from its own /proc counters.
 
 Also measured: the enqueue rate (``--enqueue`` prompts through ``enqueue_dataset``, in process, so
 Python's start-up is not in it), the Redis memory of a queued job beyond its prompt ids, and the
@@ -31,7 +34,6 @@ import time
 import uuid
 from pathlib import Path
 
-import aiohttp
 import orjson
 from redis import Redis
 from rich.console import Console
@@ -40,6 +42,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.bare_client import send_all  # noqa: E402
 from bench.common import cpu_s, machine, write_prompts  # noqa: E402
 from genq.embedded import HASH_VALUE_LIMIT, EmbeddedRedis  # noqa: E402
 from genq.keys import Keys  # noqa: E402
@@ -54,24 +57,24 @@ console = Console(width=132)
 
 
 def bare(url: str, prompts: list[list[int]], max_new: int, concurrency: int) -> tuple[float, float]:
-    """Every prompt through one aiohttp session, ``concurrency`` in flight: (wall s, CPU s)."""
-
-    async def run() -> None:
-        gate = asyncio.Semaphore(concurrency)
-        connector = aiohttp.TCPConnector(limit=concurrency)
-        async with aiohttp.ClientSession(connector=connector) as session:
-
-            async def one(ids: list[int]) -> None:
-                body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new}}
-                async with gate, session.post(url + "/generate", data=orjson.dumps(body)) as resp:
-                    answer = orjson.loads(await resp.read())
-                    assert resp.status == 200 and answer["meta_info"]["completion_tokens"] > 0, answer
-
-            await asyncio.gather(*(one(p) for p in prompts))
-
+    """The bare client in this process (its imports already paid): (wall s, CPU s)."""
     cpu0, t0 = time.process_time(), time.monotonic()
-    asyncio.run(run())
+    asyncio.run(send_all(url, prompts, max_new, concurrency))
     return time.monotonic() - t0, time.process_time() - cpu0
+
+
+def bare_process(url: str, data: Path, max_new: int, concurrency: int) -> tuple[float, float]:
+    """The bare client as a process of its own, timed like genq's from spawn to exit (Python's
+    start-up and aiohttp's import included): (wall s, CPU s)."""
+    script = ROOT / "bench" / "bare_client.py"
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(script), url, str(data), str(max_new), str(concurrency)])
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.monotonic() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)  # Popen must not wait again
+    if proc.returncode:
+        raise RuntimeError(f"the bare client exited with {proc.returncode}")
+    return wall, usage.ru_utime + usage.ru_stime
 
 
 class Cluster:
@@ -239,20 +242,37 @@ def measure_enqueue(cluster: Cluster, n: int) -> dict:
     return out
 
 
-def report(args: argparse.Namespace, bare_wall: float, bare_cpu: float, genq: dict, enq: dict) -> dict:
+def report(
+    args: argparse.Namespace,
+    in_process: tuple[float, float],
+    process: tuple[float, float],
+    genq: dict,
+    enq: dict,
+) -> dict:
     n = args.prompts
+    (bare_wall, bare_cpu), (process_wall, process_cpu) = in_process, process
     title = f"{n} prompts, {args.concurrency} in flight, at most {args.max_new_tokens} new tokens"
     table = Table(title=title)
-    for col in ("client", "wall s (last record)", "wall s (exit)", "vs bare (exit)", "CPU ms/job"):
+    columns = ("client", "wall s (last record)", "wall s (exit)", "vs bare (exit)", "vs bare process")
+    for col in (*columns, "CPU ms/job"):
         table.add_column(col, justify="right")
     bare_ms = f"{1000 * bare_cpu / n:.2f}"
-    table.add_row("bare aiohttp", f"{bare_wall:.2f}", f"{bare_wall:.2f}", "1.00", bare_ms)
+    table.add_row("bare aiohttp, in process", f"{bare_wall:.2f}", f"{bare_wall:.2f}", "1.00", "", bare_ms)
+    table.add_row(
+        "bare aiohttp, a process",
+        "",
+        f"{process_wall:.2f}",
+        f"{bare_wall / process_wall:.2f}",
+        "1.00",
+        f"{1000 * process_cpu / n:.2f} (start-up included)",
+    )
     per_job = {role: genq[f"{role}_cpu_ms_per_job"] for role in ("worker", "collector", "redis")}
     table.add_row(
         "genq",
         f"{genq['wall_last_record_s']:.2f}",
         f"{genq['wall_exit_s']:.2f}",
         f"{bare_wall / genq['wall_exit_s']:.2f}",
+        f"{process_wall / genq['wall_exit_s']:.2f}",
         " + ".join(f"{role} {ms:.2f}" for role, ms in per_job.items()),
     )
     console.print(table)
@@ -272,8 +292,10 @@ def report(args: argparse.Namespace, bare_wall: float, bare_cpu: float, genq: di
     )
     return {
         "bare": {"wall_s": bare_wall, "cpu_ms_per_job": 1000 * bare_cpu / n},
+        "bare_process": {"wall_s": process_wall, "cpu_ms_per_job": 1000 * process_cpu / n},
         "genq": genq,
         "wall_ratio": bare_wall / genq["wall_exit_s"],
+        "wall_ratio_process": process_wall / genq["wall_exit_s"],
         "enqueue": enq,
         "ceiling": ceiling,
     }
@@ -319,11 +341,12 @@ def main() -> int:
                 prompts = write_prompts(data, args.prompts)
                 bare(cluster.server, prompts[:100], args.max_new_tokens, args.concurrency)  # warm up
                 bare_wall, bare_cpu = bare(cluster.server, prompts, args.max_new_tokens, args.concurrency)
+                process = bare_process(cluster.server, data, args.max_new_tokens, args.concurrency)
                 genq = run_genq(cluster, data, args.prompts, args)
                 enq = measure_enqueue(cluster, args.enqueue)
             finally:
                 cluster.close()
-            result = report(args, bare_wall, bare_cpu, genq, enq)
+            result = report(args, (bare_wall, bare_cpu), process, genq, enq)
             name = "ceiling.json"
     dest = ROOT / "bench" / "results" / name
     dest.write_text(json.dumps({"machine": machine(), "args": vars(args), **result}, indent=2) + "\n")

@@ -101,6 +101,16 @@ def write_prompts(path: Path, n: int, start: int = 0, length: tuple[int, int] = 
     return rows
 
 
+def written_lines(path: Path) -> list[dict]:
+    """The complete lines of a file being written, parsed: a collector's buffered writes reach the
+    file mid-batch, so its last line may be unfinished until the batch's flush (or for good, after a
+    SIGKILL, until the next collector cuts it). For polling; read_jsonl for the final check."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    return [orjson.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Every line parsed; a torn (unterminated) or unparsable line fails the test."""
     if not path.exists():

@@ -34,6 +34,7 @@ from tests.helpers import (
     stop,
     wait_until,
     write_prompts,
+    written_lines,
 )
 from tests.test_deploy import http_status
 
@@ -73,7 +74,7 @@ def test_roles_started_before_redis_wait_for_it(procs, start_sim, out, tmp_path)
     try:
         assert enqueue.wait(60) == 0, log_of(enqueue)
         raw = out / "early" / "raw_responses.jsonl"
-        wait_until(lambda: len(read_jsonl(raw)) == len(prompts), 60, "every record on disk")
+        wait_until(lambda: len(written_lines(raw)) == len(prompts), 60, "every record on disk")
         for proc in (worker, collector):
             assert stop(proc) == 0, log_of(proc)
         check_records(out, "early", prompts, {"max_new_tokens": 16})
@@ -281,7 +282,7 @@ def test_compose_demo_in_containers(project, report):
     assert status["datasets"][DATASET]["failed"] == 0
     folder = project.output()
     raw = folder / "raw_responses.jsonl"
-    project.wait(lambda: len(read_jsonl(raw)) >= total, 60, "every record in the collector's volume")
+    project.wait(lambda: len(written_lines(raw)) >= total, 60, "every record in the collector's volume")
 
     # `compose stop` drains: the collector and the live workers exit 0 on SIGTERM (through the init).
     # Named, so Redis outlives them: podman-compose stops all it stops at once, in no order.

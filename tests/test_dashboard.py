@@ -68,8 +68,8 @@ def test_dashboard_in_chromium_during_a_run(procs, start_sim, out, tmp_path, con
     assert f"http://127.0.0.1:{port}/" in log_of(dashboard), "bound to 127.0.0.1 by default"
     procs.start("worker", "--server", url, "--concurrency", "8")
     procs.start("collect", "--out", out)
-    # 8 sent and 1 taken ahead for the next free slot (WorkerConfig.prefetch).
-    wait_until(lambda: status_json(procs)["datasets"]["dash"]["in_flight"] == 9, 30, "9 jobs in flight")
+    # 8 sent and 2 taken ahead for the next free slots (WorkerConfig.prefetch: concurrency // 4).
+    wait_until(lambda: status_json(procs)["datasets"]["dash"]["in_flight"] == 10, 30, "10 jobs in flight")
 
     queue = f"{namespace}.dash"
     started = conn.zrange(f"rq:wip:{queue}", 0, 0)[0].decode().split(":")[0]

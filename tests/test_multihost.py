@@ -34,7 +34,7 @@ from genq import status as status_mod
 from genq.bitmaps import is_set
 from genq.keys import Keys
 from tests import netns
-from tests.helpers import check_records, need, read_jsonl, wait_until, write_prompts
+from tests.helpers import check_records, need, read_jsonl, wait_until, write_prompts, written_lines
 
 pytestmark = pytest.mark.multihost
 
@@ -426,7 +426,7 @@ def test_the_collector_host_cut_off(cluster, tmp_path, report):
     wait_until(lambda: "holds dataset fence" in log(second), 60, "the second collector to take the lease")
     takeover = since(t0)
     assert takeover >= lease_left - 1, f"took over {takeover} s after the cut, the lease had {lease_left} s"
-    wait_until(lambda: held_ids <= {r["id"] for r in read_jsonl(raw)}, 60, "the second collector writing")
+    wait_until(lambda: held_ids <= {r["id"] for r in written_lines(raw)}, 60, "the second collector writing")
     writing = since(t0)
     wait_until(lambda: raw.stat().st_size > at_cut + 100_000, 60, "the second collector to write on")
     assert first.poll() is None, log(first)

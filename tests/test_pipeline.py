@@ -110,12 +110,12 @@ def test_worker_sigterm_drains_and_puts_back_what_is_left(procs, start_sim, out,
     prompts = write_prompts(data, 40)
     assert procs.run("enqueue", data, "--max-new-tokens", "2000").returncode == 0
     worker = procs.start("worker", "--server", url, "--concurrency", "16", "--grace", "1")
-    # 16 sent, 2 taken ahead for the next free slots (WorkerConfig.prefetch: concurrency // 8).
-    wait_until(lambda: status_json(procs)["datasets"]["slow"]["in_flight"] == 18, 30, "18 jobs in flight")
+    # 16 sent, 4 taken ahead for the next free slots (WorkerConfig.prefetch: concurrency // 4).
+    wait_until(lambda: status_json(procs)["datasets"]["slow"]["in_flight"] == 20, 30, "20 jobs in flight")
     assert stop(worker, timeout=30) == 0, log_of(worker)
     status = status_json(procs)["datasets"]["slow"]
     assert status["in_flight"] == 0 and status["queued"] == 40, status
-    assert "put 2 jobs taken ahead back" in log_of(worker) and "put 16 jobs back" in log_of(worker)
+    assert "put 4 jobs taken ahead back" in log_of(worker) and "put 16 jobs back" in log_of(worker)
     # Everything still completes, once.
     worker = procs.start("worker", "--server", url, "--burst", "--concurrency", "40")
     assert worker.wait(120) == 0, log_of(worker)
@@ -131,8 +131,8 @@ def test_worker_sigkill_its_jobs_run_again_elsewhere(procs, start_sim, out, tmp_
     prompts = write_prompts(data, 30)
     assert procs.run("enqueue", data, "--max-new-tokens", "2000").returncode == 0
     victim = procs.start("worker", "--server", url, "--concurrency", "10", "--heartbeat-ttl", "5")
-    # 10 sent and 1 taken ahead (WorkerConfig.prefetch): all 11 die with the worker.
-    wait_until(lambda: status_json(procs)["datasets"]["dead"]["in_flight"] == 11, 30, "11 jobs in flight")
+    # 10 sent and 2 taken ahead (WorkerConfig.prefetch): all 12 die with the worker.
+    wait_until(lambda: status_json(procs)["datasets"]["dead"]["in_flight"] == 12, 30, "12 jobs in flight")
     sigkill(victim)
     collector = procs.start("collect", "--out", out, "--burst")
     survivor = procs.start(

@@ -27,6 +27,7 @@ from tests.helpers import (
     stop,
     wait_until,
     write_prompts,
+    written_lines,
 )
 
 PARAMS = {"max_new_tokens": 200}
@@ -169,7 +170,7 @@ def test_redis_restart_every_role_carries_on(procs, start_sim, out, tmp_path):
         collector = procs.start("collect", "--out", out, "--burst", env=env)
         worker = procs.start("worker", "--server", sim, "--burst", "--concurrency", "64", env=env)
         raw = out / "restart" / "raw_responses.jsonl"
-        wait_until(lambda: raw.exists() and len(read_jsonl(raw)) > 100, 60, "progress")
+        wait_until(lambda: len(written_lines(raw)) > 100, 60, "progress")
         server.stop()
         time.sleep(2)
         server = EmbeddedRedis(tmp_path / "redis", port=server.port)
@@ -229,8 +230,8 @@ def test_rq_info_reaping_abandoned_jobs_loses_nothing(
     prompts = write_prompts(data, 20)
     assert procs.run("enqueue", data, "--max-new-tokens", "2000").returncode == 0
     victim = procs.start("worker", "--server", url, "--concurrency", "10", "--heartbeat-ttl", "5")
-    # 10 sent and 1 taken ahead (WorkerConfig.prefetch): all 11 die with the worker.
-    wait_until(lambda: status_json(procs)["datasets"]["reaped"]["in_flight"] == 11, 30, "11 jobs in flight")
+    # 10 sent and 2 taken ahead (WorkerConfig.prefetch): all 12 die with the worker.
+    wait_until(lambda: status_json(procs)["datasets"]["reaped"]["in_flight"] == 12, 30, "12 jobs in flight")
     sigkill(victim)
     time.sleep(6)  # past the heartbeat TTL: the jobs are abandoned, nobody has reaped them yet
     info = subprocess.run(

@@ -32,15 +32,15 @@ def test_rq_info_lists_the_worker_busy_and_its_jobs_executing(
     prompts = write_prompts(data, 30)
     assert procs.run("enqueue", data, "--max-new-tokens", "2000").returncode == 0
     worker = procs.start("worker", "--server", url, "--concurrency", "12")
-    # 12 sent and one taken ahead for the next free slot (WorkerConfig.prefetch): all 13 are
+    # 12 sent and 3 taken ahead for the next free slots (WorkerConfig.prefetch): all 15 are
     # started jobs of this worker in RQ's registry, and come back if it dies.
-    wait_until(lambda: status_json(procs)["datasets"]["contract"]["in_flight"] == 13, 30, "13 jobs in flight")
+    wait_until(lambda: status_json(procs)["datasets"]["contract"]["in_flight"] == 15, 30, "15 jobs in flight")
 
     queue = f"{namespace}.contract"
     for flags in (("-S", "json"), ()):  # operators run it without the serializer flag too
         info = rq_info(redis_url, *flags)
         line = next(line for line in info.splitlines() if line.startswith(queue))
-        assert re.search(r"\b13 executing\b", line), info
+        assert re.search(r"\b15 executing\b", line), info
         assert re.search(rf"genq\.{namespace}\.\S+ \(.*\): busy {re.escape(queue)}", info), info
 
     collector = procs.start("collect", "--out", out)

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from worker.bookkeeping import Finished
 
-LINGER_S = 0.01
+LINGER_S = 0.025
 
 Commit = Callable[[list[str], list[Finished]], Awaitable[list[int]]]
 

@@ -75,7 +75,7 @@ class WorkerConfig:
         """Jobs taken ahead of a free slot (started in RQ, waiting here) at least: takes come in
         batches of about half this, and a job starts the moment a slot frees. More while jobs end
         faster than a take comes back (Worker._prefetch)."""
-        return max(1, self.concurrency // 8)
+        return max(1, self.concurrency // 4)
 
     def attempt_timeout(self, max_new_tokens: int) -> float:
         """Decision 8: long generations get long deadlines (8 tok/s floor per sequence + 120 s)."""
@@ -117,7 +117,8 @@ class Worker:
         self._in_flight: dict[asyncio.Task, Taken] = {}
         self._finishing = 0  # jobs of _in_flight handing their result over: they free their slot
         self._ready: deque[Taken] = deque()  # taken ahead, waiting for a slot
-        self._take_s = 0.0  # a take's round trip, smoothed
+        # The last takes' round trips: on a lossy link one in a few waits for a retransmission.
+        self._take_s: deque[float] = deque([0.0], maxlen=16)
         self._ended: deque[float] = deque(maxlen=256)  # when the last jobs ended: the rate slots free
         self._aborts: set[asyncio.Task] = set()
         self._commits = GroupCommit(lambda charges, ends: self.redis(self.books.commit, charges, ends))
@@ -277,7 +278,7 @@ class Worker:
                 full, taken = await self.redis(
                     self.books.take, min(want, 256), self.config.stream_limit, on=self._take_thread
                 )
-                self._take_s += (time.monotonic() - asked - self._take_s) / 4
+                self._take_s.append(time.monotonic() - asked)
                 self._ready.extend(taken)
                 if full and not taken:
                     await self._wait_for_collector(full)
@@ -295,12 +296,14 @@ class Worker:
                 await asyncio.wait_for(self._slot_freed.wait(), timeout=0.25 if free > 0 else 5)
 
     def _prefetch(self) -> int:
-        """Enough jobs taken ahead to cover the slots that free while a take is on its way twice
-        over (a slow link to Redis, a busy Redis thread), within half the concurrency."""
+        """Enough jobs taken ahead to cover the slots that free while the slowest of the last takes
+        was on its way, twice over (a slow or lossy link to Redis, a busy Redis), within the
+        concurrency: the slowest, not the mean, as one lost packet holds a take for a
+        retransmission timeout (200 ms or more) while every slot that frees meanwhile waits."""
         ended = self._ended
         rate = (len(ended) - 1) / (ended[-1] - ended[0]) if len(ended) > 1 and ended[-1] > ended[0] else 0.0
-        wanted = math.ceil(2 * rate * self._take_s)
-        return max(self.config.prefetch, min(wanted, self.config.concurrency // 2))
+        wanted = math.ceil(2 * rate * max(self._take_s))
+        return max(self.config.prefetch, min(wanted, self.config.concurrency))
 
     def _drop_stale_ready(self) -> None:
         """Forget jobs taken ahead whose heartbeat could have lapsed (Redis unreachable for most
