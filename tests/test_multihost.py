@@ -139,9 +139,10 @@ class Cluster:
         res = self.genq_run("ops", "enqueue", *files, "--dataset", dataset, "--max-new-tokens", MAX_NEW)
         assert res.returncode == 0, res.stderr
 
-    def generations(self, gpu: str) -> int:
+    def generations(self, gpu: str, counter: str = "generations") -> int:
+        """A counter of the simulator of ``gpu`` (sim/stats.py): generations finished by default."""
         return self.net.http_json(self.h[gpu], f"http://{self.h[f'{gpu}srv'].addr}:{SIM_PORT}/sim/stats")[
-            "generations"
+            counter
         ]
 
     # -- what Redis says ----------------------------------------------------------------------
@@ -533,8 +534,9 @@ RT_PER_JOB_MAX = 0.5
 def test_a_slow_lossy_network_between_the_gpu_hosts_and_redis(cluster, tmp_path, report):
     """100 ms of round trip (50 ms each way) and 1 % loss each way between the gpu hosts and
     Redis: nothing is lost, and the workers' Redis calls are batched (their round trips per job,
-    counted on the router, stay far below one). The throughput against the clean network's is
-    measured and reported (docs/cluster.md has the figures), not asserted."""
+    counted on the router, stay far below one). The throughput against the clean network's (jobs
+    the servers answered per second, and records on disk per second) is measured and reported
+    (docs/cluster.md has the figures), not asserted: this machine is shared."""
     n = 1000
     c = cluster("redis", "store", "gpu1", "gpu2", "ops")
     wan = netns.Wan(c.net)
@@ -555,19 +557,24 @@ def test_a_slow_lossy_network_between_the_gpu_hosts_and_redis(cluster, tmp_path,
         c.enqueue(phase, data)
         # Steady state: from 10 % of the prompts on disk to 90 % (or a deadline, on a slow network).
         wait_until(lambda phase=phase: c.done(phase) >= n // 10, 120, f"{phase}: 10 % on disk")
-        t0, d0 = time.monotonic(), c.done(phase)
+        served = lambda: sum(c.generations(g, "completed") for g in ("gpu1", "gpu2"))  # noqa: E731
+        t0, d0, s0 = time.monotonic(), c.done(phase), served()
         wait_until(
             lambda phase=phase, deadline=t0 + 60: c.done(phase) >= n * 9 // 10 or time.monotonic() > deadline,
             90,
             f"{phase}: 90 % on disk",
         )
-        t1, d1 = time.monotonic(), c.done(phase)
+        t1, d1, s1 = time.monotonic(), c.done(phase), served()
         after = [wan.pair_stats(c.h[g], c.h["redis"]) for g in ("gpu1", "gpu2")]
         trips = sum(a["round_trips"] - b["round_trips"] for a, b in zip(after, before, strict=True))
         dropped = sum(a["dropped"] - b["dropped"] for a, b in zip(after, before, strict=True))
         jobs = c.done(phase)
         results[phase] = {
-            "jobs_s": (d1 - d0) / (t1 - t0),
+            # What the servers answered: the GPUs' throughput. The disk's rate over a window this
+            # short also carries when the window's edge records happen to arrive (a hand-over
+            # waiting out a retransmission lands up to a second late).
+            "jobs_s": (s1 - s0) / (t1 - t0),
+            "disk_jobs_s": (d1 - d0) / (t1 - t0),
             "rt_per_job": trips / max(1, jobs),
             "drops": dropped,
         }
@@ -584,8 +591,10 @@ def test_a_slow_lossy_network_between_the_gpu_hosts_and_redis(cluster, tmp_path,
     measured(
         report,
         f"slow network ({'kernel netem' if wan.kernel else 'tests/netem.py'}; RTT +100 ms, 1 % loss each "
-        f"way, {slow['drops']} packets dropped): {slow['jobs_s']:.1f} jobs/s vs {clean['jobs_s']:.1f} clean "
-        f"(ratio {ratio:.2f}); worker Redis round trips per job {slow['rt_per_job']:.2f} "
+        f"way, {slow['drops']} packets dropped): servers answered {slow['jobs_s']:.1f} jobs/s vs "
+        f"{clean['jobs_s']:.1f} clean (ratio {ratio:.2f}); on disk {slow['disk_jobs_s']:.1f} vs "
+        f"{clean['disk_jobs_s']:.1f} (ratio {slow['disk_jobs_s'] / clean['disk_jobs_s']:.2f}); "
+        f"worker Redis round trips per job {slow['rt_per_job']:.2f} "
         f"(clean {clean['rt_per_job']:.2f})",
     )
     assert slow["drops"] > 0, "the lossy network dropped nothing"

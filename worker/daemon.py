@@ -259,41 +259,61 @@ class Worker:
 
     async def _take_loop(self) -> None:
         """Start a job whenever a slot is free, from a few taken ahead (``prefetch``): jobs are taken
-        in batches, one round trip each, and a freed slot never waits for Redis."""
+        in batches, one round trip each, in the background, so a freed slot never waits for Redis —
+        not even while a take is on its way (on a slow link, one waiting out a retransmission)."""
         idle_polls = 0
-        while not self._stopping.is_set():
-            prefetch = self._prefetch()
-            self._slot_freed.clear()
-            # Suspects waiting for their turn, and jobs handing their result over, hold no
-            # connection: they take no slot.
-            busy = len(self._in_flight) - self._finishing - self._probation.waiting
-            free = self.config.concurrency - busy
-            self._drop_stale_ready()
-            while free > 0 and self._ready and self._server_up.is_set():
-                self._start(self._ready.popleft())
-                free -= 1
-            want = free + prefetch - len(self._ready)
-            if self._server_up.is_set() and (free > 0 or len(self._ready) <= prefetch // 2):
-                asked = time.monotonic()
-                full, taken = await self.redis(
-                    self.books.take, min(want, 256), self.config.stream_limit, on=self._take_thread
-                )
-                self._take_s.append(time.monotonic() - asked)
-                self._ready.extend(taken)
-                if full and not taken:
-                    await self._wait_for_collector(full)
+        taking: asyncio.Task | None = None
+        try:
+            while not self._stopping.is_set():
+                prefetch = self._prefetch()
+                self._slot_freed.clear()
+                # Suspects waiting for their turn, and jobs handing their result over, hold no
+                # connection: they take no slot.
+                busy = len(self._in_flight) - self._finishing - self._probation.waiting
+                free = self.config.concurrency - busy
+                self._drop_stale_ready()
+                while free > 0 and self._ready and self._server_up.is_set():
+                    self._start(self._ready.popleft())
+                    free -= 1
+                if taking is not None:
+                    if not taking.done():
+                        await self._wait_for_slot(5)  # or for the take: it sets the event too
+                        continue
+                    full, taken = taking.result()
+                    taking = None
+                    self._ready.extend(taken)
+                    if taken:
+                        idle_polls = 0
+                        continue
+                    if full:
+                        await self._wait_for_collector(full)
+                        continue
+                elif self._server_up.is_set() and (free > 0 or len(self._ready) <= prefetch // 2):
+                    taking = asyncio.create_task(self._take(min(free + prefetch - len(self._ready), 256)))
+                    taking.add_done_callback(lambda _: self._slot_freed.set())
                     continue
-                if taken:
-                    idle_polls = 0
-                    continue
-            if self.config.burst and not self._in_flight and not self._ready and await self._all_done():
-                log.info("worker %s: burst: nothing queued or in flight", self.books.name, extra=self._ctx())
-                return
-            idle_polls += 1
-            if idle_polls % 20 == 0:
-                await self.redis(self.books.refresh_queues, on=self._take_thread)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._slot_freed.wait(), timeout=0.25 if free > 0 else 5)
+                if self.config.burst and not self._in_flight and not self._ready and await self._all_done():
+                    log.info(
+                        "worker %s: burst: nothing queued or in flight", self.books.name, extra=self._ctx()
+                    )
+                    return
+                idle_polls += 1
+                if idle_polls % 20 == 0:
+                    await self.redis(self.books.refresh_queues, on=self._take_thread)
+                await self._wait_for_slot(0.25 if free > 0 else 5)
+        finally:
+            if taking is not None:  # its jobs are started in RQ: _drain puts them back
+                self._ready.extend((await taking)[1])
+
+    async def _take(self, want: int) -> tuple[list[str], list[Taken]]:
+        asked = time.monotonic()
+        taken = await self.redis(self.books.take, want, self.config.stream_limit, on=self._take_thread)
+        self._take_s.append(time.monotonic() - asked)
+        return taken
+
+    async def _wait_for_slot(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._slot_freed.wait(), timeout=timeout)
 
     def _prefetch(self) -> int:
         """Enough jobs taken ahead to cover the slots that free while the slowest of the last takes
