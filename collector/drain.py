@@ -1,9 +1,9 @@
 """Drain the result stream to disk: write, flush, fsync, then acknowledge (decision 4).
 
 The dataset bitmaps ``done`` and ``failed`` say which ids are on disk. They are only set in
-the same MULTI that acknowledges the entries and moves the file's checkpoint offset, so after
-any crash the lines past the checkpoint are re-read from disk at start-up and the replayed
-stream entries for them are dropped as duplicates.
+the same atomic commit (collector/checkpoint.py) that acknowledges the entries and moves the
+file's checkpoint offset, so after any crash the lines past the checkpoint are re-read from disk
+at start-up and the replayed stream entries for them are dropped as duplicates.
 """
 
 from __future__ import annotations
@@ -426,7 +426,7 @@ class Collector:
         return []
 
     def write(self, items: list[Item]) -> int:
-        """Append the new ones, fsync, then mark, checkpoint and acknowledge all in one MULTI."""
+        """Append the new ones, fsync, then mark, checkpoint and acknowledge all in one atomic commit."""
         if not items:
             return 0
         started = time.monotonic()
@@ -443,6 +443,8 @@ class Collector:
                 )
                 continue
             placed.append((item, name, bit_index(item.data["row"], item.data["sample"], settings.samples)))
+        if not placed:
+            return 0
         by_dataset: dict[str, list[int]] = {}
         for _, name, index in placed:
             by_dataset.setdefault(name, []).append(index)
