@@ -109,6 +109,16 @@ def test_hung_requests_are_aborted_and_retried(procs, start_sim, out, tmp_path):
     assert sim_stats(url)["in_flight"] == 0, "every hung request was aborted on the server"
 
 
+def test_sigterm_during_a_hung_start_up_probe_stops_the_worker_at_once(procs, start_sim):
+    """A server that hangs every generation holds the worker's start-up probe (its 1-token
+    generation waits out a 120 s deadline); a SIGTERM meanwhile must not wait for it."""
+    url = start_sim("--fail-hang", "1")
+    worker = procs.start("worker", "--server", url)
+    wait_until(lambda: sim_stats(url)["faults"]["hang"] >= 1, 30, "the probe's generation to hang")
+    assert stop(worker, timeout=20) == 0, log_of(worker)
+    assert "serving" not in log_of(worker)
+
+
 def test_too_long_prompts_are_rejected_at_enqueue_naming_the_row(procs, start_sim, tmp_path):
     url = start_sim("--context-length", "512")
     data = tmp_path / "ctx.jsonl"

@@ -238,9 +238,18 @@ class Worker:
         """
         delay = 1.0
         while not self._stopping.is_set():
+            # A server that hangs (its probe may wait out a 120 s deadline) must not hold up a
+            # SIGTERM: the probe is given up the moment a stop is asked for.
+            probe = asyncio.ensure_future(self._probe())
+            stop = asyncio.ensure_future(self._stopping.wait())
+            await asyncio.wait({probe, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if not probe.done():
+                probe.cancel()
+                await asyncio.gather(probe, return_exceptions=True)
+                return None
             try:
-                self.backend = await backends.choose(self.config.backend, self.http, self.config.model)
-                return await self.backend.probe()
+                return probe.result()
             except ServerRefused as exc:
                 log.error("worker %s: %s", self.books.name, exc, extra=self._ctx())
                 raise SystemExit(EXIT_REFUSED) from exc
@@ -256,6 +265,10 @@ class Worker:
                 await asyncio.wait_for(self._stopping.wait(), delay)
             delay = min(delay * 2, 30.0)
         return None
+
+    async def _probe(self) -> ServerInfo:
+        self.backend = await backends.choose(self.config.backend, self.http, self.config.model)
+        return await self.backend.probe()
 
     async def _take_loop(self) -> None:
         """Start a job whenever a slot is free, from a few taken ahead (``prefetch``): jobs are taken
