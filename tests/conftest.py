@@ -15,7 +15,7 @@ from genq.embedded import EmbeddedRedis
 from genq.processes import wait_for_line
 from tests.helpers import Procs
 
-pytest_plugins = ["tests.llama"]  # llama_model and llama: the real engine
+pytest_plugins = ["tests.llama", "tests.engines"]  # the real engines: llama.cpp, SGLang, vLLM
 
 
 @pytest.fixture(scope="session")

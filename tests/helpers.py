@@ -101,6 +101,13 @@ def write_prompts(path: Path, n: int, start: int = 0, length: tuple[int, int] = 
     return rows
 
 
+def write_ids(path: Path, prompts: list[list[int]]) -> Path:
+    """A dataset of pre-tokenized prompts, one row each (ids s0, s1, ...)."""
+    rows = (orjson.dumps({"id": f"s{i}", "input_ids": p}) + b"\n" for i, p in enumerate(prompts))
+    path.write_bytes(b"".join(rows))
+    return path
+
+
 def written_lines(path: Path) -> list[dict]:
     """The complete lines of a file being written, parsed: a collector's buffered writes reach the
     file mid-batch, so its last line may be unfinished until the batch's flush (or for good, after a

@@ -112,10 +112,12 @@ def direct(url: str, prompts: list[list[int]], n_predict: int) -> list[list[int]
     return asyncio.run(run())
 
 
-def tiny_prompts(n: int, seed: int = 0, length: tuple[int, int] = (4, 40)) -> list[list[int]]:
-    """Prompts of ordinary pieces of the tiny vocabulary (ids 259..2047), no BOS, as a tokenizer
-    would have made them."""
+def tiny_prompts(
+    n: int, seed: int = 0, length: tuple[int, int] = (4, 40), ids: tuple[int, int] = (259, 2048)
+) -> list[list[int]]:
+    """Prompts of ordinary pieces of a tiny vocabulary (by default the GGUF's, ids 259..2047), no
+    BOS, as a tokenizer would have made them."""
     import random
 
     rng = random.Random(seed)
-    return [[rng.randrange(259, 2048) for _ in range(rng.randint(*length))] for _ in range(n)]
+    return [[rng.randrange(*ids) for _ in range(rng.randint(*length))] for _ in range(n)]

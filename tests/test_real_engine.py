@@ -21,17 +21,12 @@ from tests.helpers import (
     status_json,
     stop,
     wait_until,
+    write_ids,
 )
 from tests.llama import LlamaServer, direct, tiny_prompts
 
 pytestmark = pytest.mark.real_engine
 MAX_NEW = 32
-
-
-def _write(path, prompts: list[list[int]]) -> None:
-    path.write_bytes(
-        b"".join(orjson.dumps({"id": f"s{i}", "input_ids": p}) + b"\n" for i, p in enumerate(prompts))
-    )
 
 
 def _check_exact(
@@ -51,7 +46,7 @@ def _check_exact(
 def test_records_equal_direct_calls_through_the_queue(procs, llama, out, tmp_path):
     prompts = tiny_prompts(300)
     data = tmp_path / "exact.jsonl"
-    _write(data, prompts)
+    write_ids(data, prompts)
     res = procs.run(
         "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--server", llama.url
     )
@@ -75,7 +70,7 @@ def test_kills_on_a_real_engine_lose_and_repeat_nothing(procs, llama_model, out,
     server = LlamaServer(binary, model, tmp_path / "llama.log").start()
     prompts = tiny_prompts(1200, seed=1)
     data = tmp_path / "kills.jsonl"
-    _write(data, prompts)
+    write_ids(data, prompts)
     worker_args = (
         "worker",
         "--server",
@@ -142,7 +137,7 @@ def test_a_prompt_over_the_slot_context(procs, llama, out, tmp_path):
     cannot fit, naming the row; sent anyway, it is one 400 in errors.jsonl, never retried."""
     prompts = [*tiny_prompts(3, seed=2), tiny_prompts(1, seed=3, length=(600, 600))[0]]
     data = tmp_path / "ctx.jsonl"
-    _write(data, prompts)
+    write_ids(data, prompts)
     res = procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--server", llama.url)
     assert res.returncode == 0, res.stderr
     assert "enqueued 3, skipped 0, rejected 1" in res.stdout

