@@ -213,14 +213,16 @@ def sglang_direct(
     return answers
 
 
-def metric(url: str, name: str) -> float:
-    """One counter or gauge of a server's Prometheus /metrics, summed over its labels."""
+def metric(url: str, name: str, label: str = "") -> float:
+    """One counter or gauge of a server's Prometheus /metrics, summed over the series whose labels
+    hold ``label`` (e.g. ``endpoint="/generate"``); 0 when no such series has been counted yet."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
         text = resp.read().decode()
-    values = [
+    assert f"# TYPE {name.removesuffix('_total')} " in text or f"# TYPE {name} " in text, (
+        f"{url}/metrics has no {name}"
+    )
+    return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ")
-    ]
-    assert values, f"{name} not in {url}/metrics"
-    return sum(values)
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ") and label in line
+    )

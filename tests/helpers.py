@@ -171,6 +171,13 @@ def status_json(procs: Procs, env: dict[str, str] | None = None) -> dict:
     return orjson.loads(res.stdout)
 
 
+def assert_verified(procs: Procs, out: Path, data: Path) -> None:
+    """`genq verify` of the dataset ``data`` finds every row on disk once and nothing else."""
+    res = procs.run("verify", "--out", out, data, "--json")
+    (audit,) = orjson.loads(res.stdout)
+    assert res.returncode == 0 and audit["ok"], audit
+
+
 def assert_adds_up(status: dict) -> None:
     for name, c in status["datasets"].items():
         parts = c["queued"] + c["in_flight"] + c["retrying"] + c["done"] + c["failed"]

@@ -14,7 +14,16 @@ import pytest
 
 from genq.logprobs import FILE, frames
 from tests.engines import CONTEXT, hf_prompts, metric, post, vllm_server
-from tests.helpers import log_of, read_jsonl, sim_get, status_json, stop, wait_until, write_ids
+from tests.helpers import (
+    assert_verified,
+    log_of,
+    read_jsonl,
+    sim_get,
+    status_json,
+    stop,
+    wait_until,
+    write_ids,
+)
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.vllm]
 MAX_NEW = 24
@@ -73,8 +82,7 @@ def test_records_equal_direct_completions_and_nothing_is_generated_twice(procs, 
     generated = metric(vllm.url, FINISHED) - before
     assert generated == len(prompts) + 2, f"{generated} generations for {len(prompts)} prompts (2 probes)"
     _check_exact(out, "exact", prompts, vllm.url)
-    res = procs.run("verify", "--out", out, "--dataset", "exact", "--json")
-    assert res.returncode == 0 and orjson.loads(res.stdout)["ok"], res.stdout + res.stderr
+    assert_verified(procs, out, data)
 
 
 def test_the_chat_backend_through_chat_completions(procs, vllm, out, tmp_path):

@@ -7,7 +7,10 @@
 #       --dtype float32 --max-model-len 512 --max-num-seqs 16 --host 127.0.0.1 --port PORT
 #
 # (The `vllm` console script looks for a distribution named "vllm" and fails: use `-m`.
-# --dtype float32 makes greedy output equal transformers' float32 greedy generate.)
+# --dtype float32 makes greedy output equal transformers' float32 greedy generate; without it
+# vLLM downcasts to bfloat16 on a CPU. SIGTERM stops an idle server in ~2 s, but with requests
+# in flight some may never be answered and the server then waits for their clients: follow it
+# with SIGKILL of the process group after a grace period.)
 #
 # The venv is built in place, once per content of this script, of vllm-requirements.txt beside it
 # and of the Python minor version, outside the clone:

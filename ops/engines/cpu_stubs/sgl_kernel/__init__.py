@@ -1,18 +1,21 @@
 """Test-only stand-in for ``sgl_kernel`` so the real SGLang 0.5.23 serves a tiny llama on a CPU.
 
-SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) imports a few CPU ops from ``sgl_kernel`` at
-module import time, but PyPI's ``sglang-kernel`` wheel is CUDA-only. Put ``ops/engines/cpu_stubs``
-first on ``PYTHONPATH`` and these imports succeed:
+SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) imports CPU ops from ``sgl_kernel`` when these
+modules load, all at start-up, but PyPI's ``sglang-kernel`` wheel is CUDA-only:
 
-    sglang/srt/mem_cache/allocation.py:46                from sgl_kernel import assign_req_to_token_pool_cpu
-    sglang/kernels/ops/kvcache/cache_move.py:10          from sgl_kernel import copy_all_layer_kv_cache_cpu
-    sglang/kernels/ops/speculative/eagle.py:10           fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu
-    sglang/kernels/ops/speculative/multi_layer_eagle.py:25  rotate_input_ids_cpu
-    sglang/kernels/ops/speculative/spec_tree.py:43       verify_tree_greedy_cpu (and siblings)
+    sglang/srt/mem_cache/allocation.py:46             assign_req_to_token_pool_cpu (called at :746)
+    sglang/kernels/ops/kvcache/cache_move.py:10       copy_all_layer_kv_cache_cpu
+    sglang/kernels/ops/speculative/eagle.py:10        fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu
+    sglang/kernels/ops/speculative/cache_locs.py:28   assign_draft_cache_locs_contiguous_cpu,
+                                                      assign_extend_cache_locs_cpu
+    sglang/kernels/ops/speculative/spec_tree.py:40    build_tree_kernel_efficient_cpu, verify_tree_greedy_cpu
+    sglang/kernels/ops/speculative/multi_layer_eagle.py:25   rotate_input_ids_cpu (multi-layer EAGLE only)
 
-Only ``assign_req_to_token_pool_cpu`` runs when a llama model is served; it is written here in plain
-torch. Any other ``*_cpu`` name imports as a function that raises NotImplementedError when called;
-every other name raises AttributeError as a missing attribute would.
+Put ``ops/engines/cpu_stubs`` first on ``PYTHONPATH``. Serving a llama calls only
+``assign_req_to_token_pool_cpu``, written here in plain torch. Any other ``*_cpu`` name imports as a
+function that raises NotImplementedError when called; any other name raises AttributeError, as a
+missing attribute does. (The ``torch.ops.sgl_kernel.*`` ops that some other models use are not
+provided: SGLang logs "Ignore import error when loading sglang.srt.models.qwen3_5 ..." and goes on.)
 """
 
 from __future__ import annotations

@@ -2,17 +2,23 @@
 
 PyPI's torchvision wheel is built against CUDA torch: beside torch 2.13.0+cpu its import fails
 (``RuntimeError: operator torchvision::nms does not exist``). SGLang serves a text-only llama without
-any image op, but imports torchvision at start-up, through ``sglang/srt/configs/__init__.py``:
+any image op, but imports torchvision at start-up, from ``sglang/srt/configs/__init__.py``:
 
-    sglang/srt/multimodal/internvl_utils.py:5    import torchvision.transforms as T
-    sglang/srt/multimodal/internvl_utils.py:7    from torchvision.transforms.functional import InterpolationMode
-    sglang/srt/configs/deepseek_ocr.py:7         from torchvision.transforms import InterpolationMode
-    sglang/srt/configs/deepseek_ocr.py:8         from torchvision.transforms import functional as TF
+    sglang/srt/multimodal/internvl_utils.py:5  import torchvision.transforms as T
+    sglang/srt/multimodal/internvl_utils.py:7  from torchvision.transforms.functional import InterpolationMode
+    sglang/srt/configs/deepseek_ocr.py:7       from torchvision.transforms import InterpolationMode
+    sglang/srt/configs/deepseek_ocr.py:8       from torchvision.transforms import functional as TF
+
+Once torchvision is importable, transformers takes it as installed, and the ``from transformers
+import AutoProcessor`` of sglang/srt/configs/deepseekvl2.py:7 then loads these too:
+
+    transformers/image_utils.py:54             from torchvision.io import ImageReadMode, decode_image
+    transformers/image_utils.py:56             from torchvision.transforms.functional import pil_to_tensor
+    transformers/image_processing_utils.py:48  from torchvision.transforms.v2 import functional as tvF
 
 Put ``ops/engines/cpu_stubs`` first on ``PYTHONPATH``. ``InterpolationMode`` is the real enum (module
-level code builds tables from it); every other public name of ``torchvision.transforms`` and
-``torchvision.transforms.functional`` is a placeholder class that raises NotImplementedError when
-called, so a multimodal code path fails loudly instead of silently.
+level code builds tables from it); every other public name of these modules is a placeholder class
+that raises NotImplementedError when called, so an image code path fails loudly, not silently.
 """
 
 from __future__ import annotations
