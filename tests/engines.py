@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -201,16 +203,34 @@ def post(url: str, path: str, body: dict, headers: dict[str, str] | None = None)
 
 
 def sglang_direct(
-    url: str, prompts: list[list[int]], params: dict, headers: dict[str, str] | None = None, **extra: Any
+    url: str,
+    prompts: list[list[int]],
+    params: dict,
+    headers: dict[str, str] | None = None,
+    batch: int = 16,
+    **extra: Any,
 ) -> list[dict]:
-    """Each prompt's /generate answer asked directly, 16 prompts in one batched request at a time."""
+    """Each prompt's /generate answer asked directly, ``batch`` prompts in one request at a time."""
     answers: list[dict] = []
-    for start in range(0, len(prompts), 16):
-        body = {"input_ids": prompts[start : start + 16], "sampling_params": params, **extra}
+    for start in range(0, len(prompts), batch):
+        body = {"input_ids": prompts[start : start + batch], "sampling_params": params, **extra}
         status, body = post(url, "/generate", body, headers)
         assert status == 200, body
         answers.extend(body)
     return answers
+
+
+# SGLang's --log-requests line for each request it receives (managers/tokenizer_manager.py).
+_RECEIVED = re.compile(r"Receive: obj=GenerateReqInput\(rid='([^']+)'")
+
+
+def generations_per_job(log: Path) -> Counter[str]:
+    """How often a real SGLang (started with ``--log-requests``) was asked to generate each genq job:
+    genq's rids are ``<job id>.<attempt>.<nonce>`` (worker/daemon.py), probes ``genq-probe.<nonce>``."""
+    rids = _RECEIVED.findall(log.read_text(errors="replace"))
+    return Counter(
+        rid.split(".", 1)[0] for rid in rids if not rid.startswith(("genq-probe.", "HEALTH_CHECK"))
+    )
 
 
 def metric(url: str, name: str, label: str = "") -> float:
