@@ -72,11 +72,11 @@ def _check_exact(out, dataset: str, prompts: list[list[int]], url: str) -> list[
 def test_records_equal_direct_completions_and_nothing_is_generated_twice(procs, vllm, out, tmp_path):
     prompts = hf_prompts(200, seed=11)
     data = write_ids(tmp_path / "exact.jsonl", prompts)
-    before = metric(vllm.url, FINISHED)
     res = procs.run(
         "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--server", vllm.url
     )
     assert res.returncode == 0, res.stderr
+    before = metric(vllm.url, FINISHED)  # after enqueue's own 1-token probe
     logs = _run(procs, out, vllm.url, "--concurrency", "16", workers=2)
     assert "vllm detected 0.32" in logs[0], logs[0]
     generated = metric(vllm.url, FINISHED) - before
@@ -94,7 +94,9 @@ def test_the_chat_backend_through_chat_completions(procs, vllm, out, tmp_path):
     ]
     data = tmp_path / "chat.jsonl"
     data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    res = procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0")
+    res = procs.run(
+        "enqueue", data, "--backend", "openai-chat", "--max-new-tokens", str(MAX_NEW), "--temperature", "0"
+    )
     assert res.returncode == 0, res.stderr
     _run(procs, out, vllm.url, "--backend", "openai-chat", "--concurrency", "8")
     records = read_jsonl(out / "chat" / "raw_responses.jsonl")
