@@ -76,7 +76,12 @@ async def _answer(
     skip = bool(req.sampling_params.get("skip_special_tokens", True))
     if served.abort_message is not None:
         output_ids = served.output_ids
-        finish: dict[str, Any] = {"type": "abort", "message": served.abort_message}
+        finish: dict[str, Any] = {
+            "type": "abort",
+            "message": served.abort_message,
+            "status_code": None,
+            "err_type": None,
+        }
         text = model.detokenize(output_ids, skip)
     else:
         output_ids, finish, text = served.gen.output_ids, served.gen.finish_reason, served.gen.text
@@ -92,18 +97,30 @@ async def _answer(
     meta: dict[str, Any] = {}
     if req.logprobs is not None:  # return_logprob: [logprob, id, text] per output token
         token, top = model.logprobs(output_ids, req.logprobs)
+        meta["input_token_logprobs"] = []  # logprob_start_len -1 (the default): no prompt logprobs
         meta["output_token_logprobs"] = [[lp, i, None] for lp, i in zip(token, output_ids, strict=True)]
+        meta["output_token_logprobs_length"] = len(output_ids)
         if req.logprobs:
+            meta["input_top_logprobs"] = []
             meta["output_top_logprobs"] = [[[lp, i, None] for i, lp in row] for row in top]
+    cached = served.cached_tokens
+    # The keys of 0.5.23's meta_info without --enable-metrics, checked against the real server
+    # (tests/test_real_sglang.py); --enable-metrics adds timing fields.
     body["meta_info"] = {
-        **meta,
         "id": served.rid,
         "finish_reason": finish,
         "prompt_tokens": len(req.input_ids),
         "weight_version": "default",
+        "num_retractions": 0,
+        **meta,
+        "reasoning_tokens": 0,
         "completion_tokens": len(output_ids),
-        "cached_tokens": served.cached_tokens,
+        "cached_tokens": cached,
+        "weight_versions": [{"version": "default", "start": 0, "end": len(output_ids)}],
+        "cached_tokens_details": {"device": cached, "host": 0} if cached else None,
+        "dp_rank": None,
         "e2e_latency": time.monotonic() - started,
+        "response_sent_to_client_ts": time.time(),
     }
     return await deliver(request, state, served, orjson.dumps(body))
 
@@ -160,7 +177,15 @@ async def models(request: web.Request) -> web.Response:
     """The OpenAI-compatible model list SGLang serves beside its native API: max_model_len is the
     context the tokenizer manager enforces (entrypoints/openai/serving_models.py)."""
     config = request.app[SIM_STATE].config
-    card = {"id": model.MODEL_PATH, "object": "model", "owned_by": "sglang", "max_model_len": config.context}
+    card = {
+        "id": model.MODEL_PATH,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "sglang",
+        "root": model.MODEL_PATH,
+        "parent": None,
+        "max_model_len": config.context,
+    }
     return json_response({"object": "list", "data": [card]})
 
 

@@ -18,7 +18,8 @@ from sim import model
 from sim.errors import internal_error, schema_error, validation_error, value_error
 from sim.versions import Quirks
 
-# The fields of SGLang 0.5.23's SamplingParams (sampling/sampling_params.py), in its order.
+# The fields of SGLang 0.5.23's SamplingParams, in the order its schema gate lists them in "unknown
+# field" errors (entrypoints/api_contract.py, checked against the real server).
 SAMPLING_KEYS = (
     "max_new_tokens",
     "stop",
@@ -33,7 +34,6 @@ SAMPLING_KEYS = (
     "repetition_penalty",
     "min_new_tokens",
     "n",
-    "beam_width",
     "json_schema",
     "regex",
     "ebnf",
@@ -46,8 +46,26 @@ SAMPLING_KEYS = (
     "logit_bias",
     "sampling_seed",
     "custom_params",
+    "beam_width",
     "watermark",
+    "choice",
 )
+# The schema gate's type of each field, as serde names it in "invalid type: ..., expected X".
+_I64, _F64, _BOOL, _STR = "i64", "f64", "a boolean", "a string"
+_STRING_OR_LIST = "a value or an array of values for StringOrList"
+SCHEMA_TYPES = {
+    **dict.fromkeys(("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed"), _I64),
+    **dict.fromkeys(("stream_interval", "beam_width"), _I64),
+    **dict.fromkeys(("temperature", "top_p", "min_p", "repetition_penalty"), _F64),
+    **dict.fromkeys(("frequency_penalty", "presence_penalty"), _F64),
+    **dict.fromkeys(
+        ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"), _BOOL
+    ),
+    **dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag"), _STR),
+    **dict.fromkeys(("stop", "stop_regex"), _STRING_OR_LIST),
+    "stop_token_ids": "a sequence",
+    "logit_bias": "a map",
+}
 # `scheduler.py` init_req_max_new_tokens: an explicit null means "no limit" before clamping.
 NO_LIMIT = 1 << 30
 
@@ -105,9 +123,9 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise RequestError(f"JSON decode error: {exc}", validation=True) from exc
+        raise RequestError(f"JSON decode error: {exc}", kind="validation") from exc
     if not isinstance(body, dict):
-        raise RequestError("Input should be a valid dictionary or object", validation=True)
+        raise RequestError("Input should be a valid dictionary or object", kind="validation")
     return body
 
 
@@ -137,8 +155,49 @@ def _prompt_ids(body: dict[str, Any]) -> list[int]:
     if not isinstance(input_ids, list) or not all(_is_int(i) for i in input_ids):
         raise RequestError("input_ids: Input should be a valid list of integers", kind="validation")
     if not input_ids:
-        raise RequestError("input_ids must not be empty.")
+        raise RequestError("input_ids cannot be empty.")
     return list(input_ids)
+
+
+def _serde_unexpected(value: Any) -> str:
+    """How serde names a JSON value it did not expect."""
+    if isinstance(value, bool):
+        return f"boolean `{str(value).lower()}`"
+    if isinstance(value, int):
+        return f"integer `{value}`"
+    if isinstance(value, float):
+        return f"floating point `{value!r}`"
+    if isinstance(value, str):
+        return f'string "{value}"'
+    return "sequence" if isinstance(value, list) else "map"
+
+
+def _schema_type_error(key: str, value: Any) -> str | None:
+    """The schema gate's (0.5.22 on) serde error for a value of the wrong JSON type, or None."""
+    expected = SCHEMA_TYPES.get(key)
+    if value is None or expected is None:
+        return None
+    if expected == _I64:
+        ok = _is_int(value)
+    elif expected == _F64:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif expected == _BOOL:
+        ok = isinstance(value, bool)
+    elif expected == _STR:
+        ok = isinstance(value, str)
+    elif expected == _STRING_OR_LIST:
+        if isinstance(value, list):
+            bad = next((v for v in value if not isinstance(v, str)), None)
+            return None if bad is None else f"invalid type: {_serde_unexpected(bad)}, expected a string"
+        ok = isinstance(value, str)
+    elif expected == "a sequence":
+        if isinstance(value, list):
+            bad = next((v for v in value if not _is_int(v)), None)
+            return None if bad is None else f"invalid type: {_serde_unexpected(bad)}, expected i64"
+        ok = False
+    else:
+        ok = isinstance(value, dict)
+    return None if ok else f"invalid type: {_serde_unexpected(value)}, expected {expected}"
 
 
 def _check_types(params: dict[str, Any]) -> None:
@@ -209,14 +268,22 @@ def _sampling_params(body: dict[str, Any], quirks: Quirks) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise RequestError("sampling_params: Input should be a valid dictionary", kind="validation")
     known = SAMPLING_KEYS if quirks.seed_field else tuple(k for k in SAMPLING_KEYS if k != "sampling_seed")
-    unknown = [k for k in params if k not in known]
-    if unknown and quirks.schema_gate:
-        expected = ", ".join(f"`{k}`" for k in known)
-        raise RequestError(f"unknown field `{unknown[0]}`, expected one of {expected}", kind="schema")
-    if unknown:  # SamplingParams(**params) -> TypeError, which no handler catches
+    if quirks.schema_gate:  # serde stops at the first field it cannot take, in the body's order
+        for key, value in params.items():
+            if key not in known:
+                expected = ", ".join(f"`{k}`" for k in known)
+                raise RequestError(f"unknown field `{key}`, expected one of {expected}", kind="schema")
+            problem = _schema_type_error(key, value)
+            if problem is not None:
+                raise RequestError(problem, kind="schema")
+    elif any(k not in known for k in params):  # SamplingParams(**params) -> TypeError, uncaught
         raise RequestError("Internal Server Error", kind="internal")
     _check_types(params)
-    _verify(params)
+    temperature = params.get("temperature")
+    greedy = temperature is not None and 0 <= temperature < 1e-6
+    # sampling_params.py normalizes greedy to temperature 1 with top_k 1 before verify() (so a top_k
+    # of 0 passes there); the toy model samples from the params as sent.
+    _verify({**params, "top_k": 1} if greedy else params)
     return dict(params)
 
 

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from genq import sampling
 from genq.conversation import answer_message, turn_prompt
 from genq.logprobs import FILE, frames
+from tests.conformance import Case, at, call, compare, concurrently, message, skeleton
 from tests.engines import (
     CONTEXT,
     generations_per_job,
@@ -341,3 +342,157 @@ def test_a_worker_killed_mid_run_repeats_only_what_was_in_flight(procs, sglang, 
     assert wasted == len(twice) and max(per_job.values()) <= 2, per_job.most_common(3)
     assert 0 <= wasted <= 8, f"{wasted} generations repeated: {twice} (8 were in flight)"
     _check_exact(out, "wk", prompts, sglang.url)
+
+
+# -- the simulator against the real server ----------------------------------------------------------
+
+P = [5, 6, 7, 8, 9, 10]
+SHORT = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}  # seconds on both servers
+
+
+def _gen(name: str, params: dict | None = None, ids: list[int] | None = P, **kw) -> Case:
+    body: dict = {"sampling_params": {**SHORT, **(params or {})}}
+    if ids is not None:
+        body["input_ids"] = ids
+    extra = {k: v for k, v in kw.items() if k not in ("message", "values")}
+    return Case(
+        name, "/generate", {**body, **extra}, message=kw.get("message", False), values=kw.get("values", ())
+    )
+
+
+FINISH = ("meta_info.finish_reason", "meta_info.prompt_tokens", "meta_info.completion_tokens")
+SGLANG_CASES = [
+    _gen("ids", values=FINISH),
+    _gen("rid given", rid="conformance-rid", values=("meta_info.id",)),
+    Case("text", "/generate", {"text": "Hello world", "sampling_params": SHORT}),
+    _gen("max_new_tokens 0", {"max_new_tokens": 0}, values=FINISH),
+    _gen("logprobs, top 5", {"max_new_tokens": 3}, return_logprob=True, top_logprobs_num=5),
+    _gen("unknown top-level key", foo=1),
+    _gen("prompt over the context", ids=[7] * 600, message=True),
+    _gen("prompt as long as the context", ids=[7] * 512, message=True),
+    _gen("prompt + max_new_tokens over the context", {"max_new_tokens": 16}, ids=[7] * 511, message=True),
+    _gen("max_new_tokens over the context", {"max_new_tokens": 600}, ids=[7] * 10, message=True),
+    _gen("prompt + max_new_tokens = the context", {"max_new_tokens": 16}, ids=[7] * 496, values=FINISH),
+    _gen("longest prompt the scheduler takes", {"max_new_tokens": 1}, ids=[7] * 505, values=FINISH),
+    _gen("prompt at max_req_input_len", {"max_new_tokens": 1}, ids=[7] * 506, message=True),
+    _gen("unknown sampling key", {"foo": 1}, message=True),
+    _gen("max_new_tokens a string", {"max_new_tokens": "x"}, message=True),
+    _gen("max_new_tokens a string of digits", {"max_new_tokens": "8"}, message=True),
+    _gen("max_new_tokens a float", {"max_new_tokens": 8.5}, message=True),
+    _gen("temperature a string", {"temperature": "hot"}, message=True),
+    _gen("ignore_eos a string", {"ignore_eos": "yes"}, message=True),
+    _gen("stop_token_ids not a list", {"stop_token_ids": 5}, message=True),
+    _gen("max_new_tokens negative", {"max_new_tokens": -1}, message=True),
+    _gen("temperature negative", {"temperature": -1}, message=True),
+    _gen("top_p 0", {"top_p": 0}, message=True),
+    _gen("top_k 0", {"top_k": 0}, message=True),
+    _gen("min_p 2", {"min_p": 2}, message=True),
+    _gen("repetition_penalty 3", {"repetition_penalty": 3}, message=True),
+    _gen("frequency_penalty 3", {"frequency_penalty": 3}, message=True),
+    _gen("min_new_tokens over max_new_tokens", {"min_new_tokens": 9}, message=True),
+    _gen("two grammars", {"regex": "a+", "ebnf": 'root ::= "a"'}, message=True),
+    _gen("input_ids a string", ids=None, input_ids="abc"),
+    _gen("input_ids of floats", ids=[1.5]),  # type: ignore[list-item]
+    _gen("input_ids empty", ids=[], message=True),
+    _gen("no prompt", ids=None, message=True),
+    Case("sampling_params not an object", "/generate", {"input_ids": P, "sampling_params": 5}),
+    Case("not JSON", "/generate", raw=b"{not json"),
+    Case("health", "/health"),
+    Case("health_generate", "/health_generate"),
+    # genq reads the model's names; the simulator leaves out the model's config (architectures, ...)
+    Case(
+        "model_info",
+        "/model_info",
+        keys=("model_path", "served_model_name", "tokenizer_path", "weight_version"),
+    ),
+    Case("v1/models", "/v1/models", values=("data.0.max_model_len",)),
+    Case("abort of an unknown rid", "/abort_request", {"rid": "no-such-rid"}),
+    Case("abort with an empty body", "/abort_request", {}),
+    _gen("batch of prompts", ids=[P, P]),  # type: ignore[list-item]
+    _gen("n 2", {"n": 2}),
+    _gen("id outside the vocabulary", ids=[5000]),
+]
+SGLANG_DELIBERATE = {
+    "batch of prompts": "genq sends one prompt per request; the simulator refuses lists (400)",
+    "n 2": "genq makes one job per sample (--samples); the simulator refuses n > 1 (400)",
+    "id outside the vocabulary": (
+        "the real 0.5.23 dies whole (IndexError in the embedding, then kill_process_tree); genq keeps such "
+        "ids out at enqueue (producer/context.py check_vocab); the simulator's toy vocabulary is 32,000"
+    ),
+}
+
+
+# meta_info fields that the module's server has only because of --enable-metrics (which genq's
+# GPU-work counting needs); the simulator imitates a server without it.
+METRICS_ONLY = frozenset(
+    (
+        "storage_prefetch_wait", "storage_staging_wait", "forward_entry_time", "prefill_finished_time",
+        "queue_time", "request_received_ts", "first_token_latency", "api_server_dispatch_finish_ts",
+        "request_finished_ts", "decode_throughput",
+    )
+)  # fmt: skip
+
+
+def _without_metrics(body):
+    if isinstance(body, dict) and isinstance(body.get("meta_info"), dict):
+        body["meta_info"] = {k: v for k, v in body["meta_info"].items() if k not in METRICS_ONLY}
+    return body
+
+
+def _server_info_agrees(real: str, sim: str) -> list[str]:
+    """The /server_info fields genq reads (genq/backends/sglang.py probe)."""
+    a, b = sim_get(real, "/server_info"), sim_get(sim, "/server_info")
+    keys = ("context_length", "max_req_input_len", "version")
+    return [f"server_info.{k}: {b.get(k)!r}, real {a.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def _duplicate_rid(url: str) -> dict:
+    rid = "conformance-duplicate"
+    body = {"rid": rid, "input_ids": P, "sampling_params": LONG}
+    first, second = concurrently(lambda: call(url, "/generate", body), lambda: call(url, "/generate", body))
+    return {
+        "first": (first.status, at(first.body, "meta_info.finish_reason.type")),
+        "second": (second.status, skeleton(second.body), message(second.body)),
+    }
+
+
+def _abort_running(url: str) -> dict:
+    rid = "conformance-abort"
+    running, aborted = concurrently(
+        lambda: call(url, "/generate", {"rid": rid, "input_ids": P, "sampling_params": LONG}),
+        lambda: call(url, "/abort_request", {"rid": rid}),
+        stagger=1.0,
+    )
+    return {
+        "abort": (aborted.status, aborted.body),
+        "request": (
+            running.status,
+            skeleton(_without_metrics(running.body)),
+            at(running.body, "meta_info.finish_reason"),
+        ),
+        "partial": 0 < len(running.body["output_ids"]) < LONG["max_new_tokens"],
+    }
+
+
+def _health_while_busy(url: str) -> dict:
+    busy = [lambda: call(url, "/generate", {"input_ids": P, "sampling_params": LONG}) for _ in range(8)]
+    answers = concurrently(*busy, lambda: call(url, "/health"), lambda: call(url, "/v1/models"), stagger=0.1)
+    return {"health": answers[8].status, "models": answers[9].status, "busy": [a.status for a in answers[:8]]}
+
+
+def test_the_simulator_answers_as_the_real_sglang(sglang, start_sim):
+    """Every request genq sends, and each bad kind it handles, to the real SGLang and to the simulator
+    in 0.5.23 mode: the same statuses, body shapes, messages and finish reasons, or a difference
+    written down in SGLANG_DELIBERATE."""
+    sim = start_sim("--sglang-version", "0.5.23", "--context-length", str(CONTEXT), "--latency", "realistic")
+    found = compare(sglang.url, sim, SGLANG_CASES, SGLANG_DELIBERATE, _without_metrics)
+    found += _server_info_agrees(sglang.url, sim)
+    for name, scenario in (
+        ("duplicate rid", _duplicate_rid),
+        ("abort of a running request", _abort_running),
+        ("health while busy", _health_while_busy),
+    ):
+        real, simulated = scenario(sglang.url), scenario(sim)
+        found += [f"{name}: {k} {simulated[k]!r}, real {real[k]!r}" for k in real if real[k] != simulated[k]]
+    assert not found, "the simulator differs from the real SGLang:\n" + "\n".join(found)

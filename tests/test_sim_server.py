@@ -460,7 +460,12 @@ def test_abort_fault_is_http_200_with_abort_finish_reason(start_sim: Any) -> Non
     assert reply.status == 200
     assert reply.json["output_ids"] == []
     assert reply.json["meta_info"]["id"] == "a1"
-    assert reply.json["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort (injected)"}
+    assert reply.json["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": "Abort (injected)",
+        "status_code": None,
+        "err_type": None,
+    }
 
 
 def test_hang_fault_duplicate_rid_and_abort_request(start_sim: Any) -> None:
