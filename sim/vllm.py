@@ -33,6 +33,7 @@ from sim.http import json_response
 from sim.openai_chat import ChatError, chat_body, finish_of, parse_messages, sampling, usage
 from sim.state import SIM_STATE, SimState
 from sim.versions import parse
+from sim.vllm_request import parse_fields, verify
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -63,31 +64,42 @@ def _request_id(request: web.Request, body: dict[str, Any]) -> str:
 
 def _prompt_ids(body: dict[str, Any]) -> list[int]:
     prompt = body.get("prompt")
-    if prompt is None or prompt == "" or prompt == []:
+    if prompt is None:
         raise ChatError(
             "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)", "prompt"
         )
+    if prompt == "" or prompt == []:
+        raise ChatError("You must pass at least one prompt")
     if isinstance(prompt, str):
         return model.tokenize(prompt)
     if isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         negative = next((i for i in prompt if i < 0), None)
-        if negative is not None:
+        if negative is not None:  # pydantic: the prompt union's every branch fails (not compared)
             raise ChatError(
-                f"1 validation error:\n  Input should be greater than or equal to 0, got {negative}",
-                "prompt",
+                f"4 validation errors:\n  Input should be greater than or equal to 0, got {negative}",
+                "body.prompt.0",
                 kind="Bad Request",
             )
         return list(prompt)
+    if isinstance(prompt, list) and any(isinstance(i, float) for i in prompt):
+        raise ChatError(
+            "4 validation errors:\n  Input should be a valid integer, got a number with a fractional part",
+            "body.prompt.0",
+            kind="Bad Request",
+        )
     raise ChatError("The simulator serves one prompt per request (a string or a flat list of ids).", "prompt")
 
 
-def _check_prompt(ids: list[int], context: int) -> None:
-    """renderers/params.py and renderers/base.py, in that order."""
+def _check_prompt(ids: list[int], context: int, tokenized_here: bool) -> None:
+    """renderers/params.py and renderers/base.py, in that order. A prompt the server tokenized itself
+    was cut at the context + 1 tokens, so the message says "at least"."""
     if len(ids) > context:
+        n = context + 1 if tokenized_here else len(ids)
+        count = f"at least {n}" if tokenized_here else str(n)
         raise ChatError(
             f"This model's maximum context length is {context} tokens. However, your prompt contains "
-            f"{len(ids)} input tokens, which exceeds this limit even without any output tokens. Please "
-            f"reduce the length of the input prompt. (parameter=input_tokens, value={len(ids)})",
+            f"{count} input tokens, which exceeds this limit even without any output tokens. Please "
+            f"reduce the length of the input prompt. (parameter=input_tokens, value={n})",
             "input_tokens",
         )
     outside = next((i for i in ids if i >= model.VOCAB_SIZE), None)
@@ -118,6 +130,7 @@ def _params(
 ) -> dict[str, Any]:
     params = sampling(body, state.config.generation_config)
     params["max_new_tokens"] = _max_tokens(body, max_key, default_max, prompt_len, state.config.context)
+    verify(body, params["max_new_tokens"])
     if body.get("include_stop_str_in_output"):
         params["no_stop_trim"] = True
     if (body.get("n") or 1) != 1 or body.get("stream"):
@@ -134,9 +147,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
             state, 500, "The server had an error while processing your request.", "InternalServerError"
         )
     try:
-        body = _json(await request.read())
+        body = parse_fields(_json(await request.read()), chat=False)
+        _check_model(body)
         ids = _prompt_ids(body)
-        _check_prompt(ids, state.config.context)
+        _check_prompt(ids, state.config.context, isinstance(body["prompt"], str))
         params = _params(state, body, len(ids), "max_tokens", DEFAULT_MAX_TOKENS)
     except ChatError as exc:
         state.stats.rejected += 1
@@ -161,9 +175,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         "stop_reason": stop_reason,
         "prompt_logprobs": None,
     }
-    if token_ids:
-        choice["token_ids"] = output_ids
-        choice["prompt_token_ids"] = ids
+    if _token_ids_supported(state):  # the keys are there (null) unless asked for
+        choice["token_ids"] = output_ids if token_ids else None
+        choice["prompt_token_ids"] = ids if token_ids else None
+        choice["routed_experts"] = None
     if body.get("logprobs") is not None:  # completion/protocol.py: logprobs: K
         choice["logprobs"] = _logprobs(
             output_ids, int(body["logprobs"]), bool(body.get("return_tokens_as_token_ids"))
@@ -176,7 +191,33 @@ async def completions(request: web.Request) -> web.StreamResponse:
         "choices": [choice],
         "usage": usage(served, len(output_ids), state.config.prompt_tokens_details),
     }
-    return await deliver(request, state, served, orjson.dumps(result))
+    return await deliver(request, state, served, orjson.dumps(_with_extras(state, result)))
+
+
+def _check_model(body: dict[str, Any]) -> None:
+    """serve/engine/serving.py: a model the server does not serve is a 404 (none named: the first)."""
+    name = body.get("model")
+    if name is not None and name != model.MODEL_PATH:
+        raise ChatError(
+            f"The model `{name}` does not exist. Valid aliases: {model.MODEL_PATH}.",
+            "model",
+            status=404,
+            kind="NotFoundError",
+        )
+
+
+def _with_extras(state: SimState, body: dict[str, Any]) -> dict[str, Any]:
+    """The fields 0.32's response models always carry, null when unused (checked against the real
+    server by tests/test_real_vllm.py)."""
+    body["usage"]["completion_tokens_details"] = None
+    extras = {
+        "service_tier": None,
+        "system_fingerprint": f"vllm-{state.config.vllm_version}-sim",
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+    return {**body, **extras}
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -190,9 +231,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             state, 500, "The server had an error while processing your request.", "InternalServerError"
         )
     try:
-        body = _json(await request.read())
+        body = parse_fields(_json(await request.read()), chat=True)
+        _check_model(body)
         ids = model.render_chat(parse_messages(body))
-        _check_prompt(ids, state.config.context)
+        _check_prompt(ids, state.config.context, tokenized_here=True)
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         params = _params(state, body, len(ids), key, None)
     except ChatError as exc:
@@ -213,7 +255,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         skip_special=params.get("skip_special_tokens", True),
         cached_tokens=state.config.prompt_tokens_details,
     )
-    return await deliver(request, state, served, orjson.dumps(result))
+    if _token_ids_supported(state):
+        (choice,) = result["choices"]
+        choice.setdefault("stop_reason", finish_of(served)[1])
+        choice.setdefault("token_ids", None)
+        choice["routed_experts"] = None
+        result.setdefault("prompt_token_ids", None)
+        result.update(prompt_logprobs=None, prompt_text=None)
+        message = choice["message"]
+        for key in ("refusal", "annotations", "audio", "function_call", "reasoning"):
+            message.setdefault(key, None)
+    return await deliver(request, state, served, orjson.dumps(_with_extras(state, result)))
 
 
 def _logprobs(output_ids: list[int], k: int, as_ids: bool) -> dict[str, Any]:

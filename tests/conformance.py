@@ -45,9 +45,16 @@ class Answer:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def call(url: str, path: str, body: Any = None, raw: bytes | None = None, timeout: float = 120) -> Answer:
+def call(
+    url: str,
+    path: str,
+    body: Any = None,
+    raw: bytes | None = None,
+    timeout: float = 120,
+    headers: dict[str, str] | None = None,
+) -> Answer:
     data = raw if raw is not None else (orjson.dumps(body) if body is not None else None)
-    headers = {"Content-Type": "application/json"} if data is not None else {}
+    headers = {**({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}
     req = urllib.request.Request(url + path, data=data, headers=headers, method="POST" if data else "GET")
     started = time.monotonic()
     try:
@@ -63,8 +70,11 @@ def call(url: str, path: str, body: Any = None, raw: bytes | None = None, timeou
 
 
 def skeleton(value: Any) -> Any:
-    """Keys and JSON kinds, recursively; numbers are one kind (JSON does not tell 0 from 0.0)."""
+    """Keys and JSON kinds, recursively; numbers are one kind (JSON does not tell 0 from 0.0), and an
+    object keyed by tokens (vLLM's top_logprobs) is a map of its first value's kind."""
     if isinstance(value, dict):
+        if value and all(k.startswith("token_id:") for k in value):
+            return {"token_id:*": skeleton(next(iter(value.values())))}
         return {k: skeleton(v) for k, v in sorted(value.items())}
     if isinstance(value, list):
         return [skeleton(value[0])] if value else []

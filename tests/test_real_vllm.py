@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from genq.logprobs import FILE, frames
+from tests.conformance import Case, at, call, compare, concurrently
 from tests.engines import CONTEXT, hf_prompts, metric, post, vllm_server
 from tests.helpers import (
     assert_verified,
@@ -185,3 +186,97 @@ def test_logprobs_equal_a_direct_calls(procs, vllm, out, tmp_path):
             want_ids = [int(t.split(":", 1)[1]) for t in row]
             assert sorted(ids) == sorted(want_ids)
             assert sorted(tops) == pytest.approx(sorted(row.values()), rel=2e-3, abs=2e-3)
+
+
+# -- the simulator against the real server ----------------------------------------------------------
+
+P = [5, 6, 7, 8, 9, 10]
+SHORT = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+COMPLETION = ("choices.0.finish_reason", "choices.0.stop_reason", "usage")
+
+
+def _completion(name: str, prompt=P, message: bool = False, values: tuple[str, ...] = (), **fields) -> Case:
+    body = {**SHORT, **fields}
+    if prompt is not None:
+        body["prompt"] = prompt
+    return Case(name, "/v1/completions", body, message=message, values=values)
+
+
+def _chat(name: str, message: bool = False, values: tuple[str, ...] = (), **fields) -> Case:
+    body = {"messages": [{"role": "user", "content": "Hello there"}], **SHORT, **fields}
+    return Case(name, "/v1/chat/completions", body, message=message, values=values)
+
+
+VLLM_CASES = [
+    _completion("ids", values=COMPLETION),
+    _completion("text", prompt="Hello world"),
+    _completion("no model named", values=COMPLETION),
+    # the message names the served model, which the real server writes as <path> (a local folder)
+    _completion("model not served", model="nope"),
+    _completion("logprobs 5 as token ids", logprobs=5, return_tokens_as_token_ids=True),
+    _completion("unknown field", foo=1),
+    _completion("prompt over the context", prompt=[7] * 600, message=True),
+    _completion("prompt as long as the context", prompt=[7] * 512, max_tokens=1, message=True),
+    _completion("longest prompt", prompt=[7] * 511, max_tokens=1, values=COMPLETION),
+    _completion("prompt + max_tokens over the context", prompt=[7] * 500, max_tokens=100, values=COMPLETION),
+    _completion("max_tokens a string", max_tokens="x", message=True),
+    _completion("max_tokens a string of digits", max_tokens="5", values=COMPLETION),
+    _completion("temperature a string", temperature="hot", message=True),
+    # pydantic's four errors for the prompt union; genq reads the status (a 400 is bad_request)
+    _completion("prompt of floats", prompt=[1.5]),
+    _completion("negative id", prompt=[-1]),
+    _completion("id outside the vocabulary", prompt=[40000], message=True),
+    _completion("empty prompt", prompt=[], message=True),
+    _completion("no prompt", prompt=None, message=True),
+    _completion("max_tokens 0", max_tokens=0, message=True),
+    _completion("max_tokens negative", max_tokens=-1, message=True),
+    _completion("temperature negative", temperature=-1, message=True),
+    _completion("logprobs 50", logprobs=50, message=True),
+    _completion("min_tokens over max_tokens", min_tokens=9, message=True),
+    _completion("seed a string", seed="x", message=True),
+    _completion("stop_token_ids", stop_token_ids=[7]),
+    Case("not JSON", "/v1/completions", raw=b"{not json"),
+    _chat("chat", values=("choices.0.finish_reason",)),
+    _chat("chat over the context", messages=[{"role": "user", "content": "hello " * 600}], message=True),
+    _chat("chat logprobs", logprobs=True, top_logprobs=5),
+    Case("health", "/health"),
+    Case("version", "/version", values=("version",)),
+    Case("models", "/v1/models", values=("data.0.max_model_len",)),
+]
+VLLM_DELIBERATE = {
+    "chat logprobs": "genq asks for logprobs through /v1/completions only; the simulator's chat ignores them",
+}
+
+
+def _duplicate_request_id(url: str) -> dict:
+    body = {"prompt": P, **SHORT, "max_tokens": 300}
+    headers = {"X-Request-Id": "conformance-duplicate"}
+    answers = concurrently(*[lambda: call(url, "/v1/completions", body, headers=headers)] * 2)
+    return {
+        "statuses": [a.status for a in answers],
+        "finish": [at(a.body, "choices.0.finish_reason") for a in answers],
+    }
+
+
+def test_the_simulator_answers_as_the_real_vllm(vllm, start_sim):
+    """The requests genq's vllm and openai-chat backends send, and each bad kind they handle, to the
+    real vLLM and to the simulator in vLLM 0.32 mode: the same statuses, body shapes, messages and
+    finish reasons, or a difference written down in VLLM_DELIBERATE."""
+    sim = start_sim(
+        "--api",
+        "vllm",
+        "--vllm-version",
+        "0.32.0",
+        "--context-length",
+        str(CONTEXT),
+        "--generation-config",
+        "{}",
+    )
+    found = compare(vllm.url, sim, VLLM_CASES, VLLM_DELIBERATE)
+    real, simulated = _duplicate_request_id(vllm.url), _duplicate_request_id(sim)
+    found += [
+        f"duplicate X-Request-Id: {k} {simulated[k]!r}, real {real[k]!r}"
+        for k in real
+        if real[k] != simulated[k]
+    ]
+    assert not found, "the simulator differs from the real vLLM:\n" + "\n".join(found)
