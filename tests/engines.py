@@ -5,8 +5,8 @@ outside the clone (`make test` and `.ci/run` build them first; a cached one is f
 milliseconds). The tiny model is written by ``ops/engines/tiny_model.py`` with the engine venv's own
 torch and transformers. Without a venv the tests skip, except in CI, where they fail saying why.
 
-One server per test module (``sglang`` / ``vllm`` fixtures, module scope): starting one takes
-20-60 s on two cores. Tests that kill or stop a server start their own ``EngineServer``.
+Each test module starts one server for its tests (20-60 s on two cores); tests that kill or stop
+a server start their own ``EngineServer``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,26 +160,6 @@ def vllm_install(tmp_path_factory) -> tuple[str, Path]:
     return python, write_tiny_model(python, tmp_path_factory.mktemp("vllm-model"))
 
 
-@pytest.fixture(scope="module")
-def sglang(sglang_install, tmp_path_factory) -> Iterator[EngineServer]:
-    """One real SGLang server per test module, with the tiny model's tokenizer (text and ids)."""
-    python, model = sglang_install
-    log = tmp_path_factory.mktemp("sglang-log") / "sglang.log"
-    server = sglang_server(python, model, log).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def vllm(vllm_install, tmp_path_factory) -> Iterator[EngineServer]:
-    """One real vLLM server per test module."""
-    python, model = vllm_install
-    log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
-    server = vllm_server(python, model, log).start()
-    yield server
-    server.stop()
-
-
 def hf_prompts(n: int, seed: int = 0, length: tuple[int, int] = (4, 40)) -> list[list[int]]:
     """Prompts of the tiny model's ordinary ids (3..1023: no special token), as a tokenizer makes them."""
     return tiny_prompts(n, seed, length, ids=(3, 1024))
@@ -220,17 +199,20 @@ def sglang_direct(
     return answers
 
 
-# SGLang's --log-requests line for each request it receives (managers/tokenizer_manager.py).
-_RECEIVED = re.compile(r"Receive: obj=GenerateReqInput\(rid='([^']+)'")
+# Each engine's log line for a request it received (with request logging on): SGLang's
+# --log-requests (managers/tokenizer_manager.py), vLLM's --enable-log-requests
+# (entrypoints/serve/utils/request_logger.py; its id is "cmpl-" + genq's X-Request-Id + a suffix).
+RECEIVED = {
+    "sglang": re.compile(r"Receive: obj=GenerateReqInput\(rid='([^']+)'"),
+    "vllm": re.compile(r"Received request (?:chat)?cmpl-(\S+?):"),
+}
 
 
-def generations_per_job(log: Path) -> Counter[str]:
-    """How often a real SGLang (started with ``--log-requests``) was asked to generate each genq job:
-    genq's rids are ``<job id>.<attempt>.<nonce>`` (worker/daemon.py), probes ``genq-probe.<nonce>``."""
-    rids = _RECEIVED.findall(log.read_text(errors="replace"))
-    return Counter(
-        rid.split(".", 1)[0] for rid in rids if not rid.startswith(("genq-probe.", "HEALTH_CHECK"))
-    )
+def generations_per_job(engine: str, log: Path) -> Counter[str]:
+    """How often a real server was asked to generate each genq job, from its request log: genq's
+    request ids are ``<job id>.<attempt>.<nonce>`` (worker/daemon.py), probes ``genq-probe.<nonce>``."""
+    rids = RECEIVED[engine].findall(log.read_text(errors="replace"))
+    return Counter(rid.split(".", 1)[0] for rid in rids if "." in rid and not rid.startswith("genq-probe."))
 
 
 def metric(url: str, name: str, label: str = "") -> float:

@@ -97,7 +97,7 @@ def test_records_equal_direct_greedy_generate_and_nothing_is_generated_twice(pro
     generated = metric(sglang.url, *GENERATES) - before
     # Each worker's 1-token probe, each prompt once: no generation wasted.
     assert generated == len(prompts) + 2, f"{generated} generations for {len(prompts)} prompts"
-    per_job = generations_per_job(sglang.log)
+    per_job = generations_per_job("sglang", sglang.log)
     assert sorted(per_job[f"{procs.env['GENQ_NAMESPACE']}--exact-{i}"] for i in range(len(prompts))) == [
         1
     ] * len(prompts), "each prompt generated once"
@@ -336,7 +336,7 @@ def test_a_worker_killed_mid_run_repeats_only_what_was_in_flight(procs, sglang, 
     assert status_json(procs)["datasets"]["wk"]["done"] < len(prompts), "killed after the run ended"
     _run(procs, out, sglang.url, flags)
     wasted = metric(sglang.url, *GENERATES) - before - len(prompts) - 2  # two workers' probes
-    per_job = generations_per_job(sglang.log)
+    per_job = generations_per_job("sglang", sglang.log)
     twice = sorted(job for job, n in per_job.items() if "--wk-" in job and n > 1)
     report(f"real SGLang, a worker SIGKILLed with 8 in flight: {wasted:.0f} generations repeated")
     assert wasted == len(twice) and max(per_job.values()) <= 2, per_job.most_common(3)

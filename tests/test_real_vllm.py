@@ -14,7 +14,7 @@ import pytest
 
 from genq.logprobs import FILE, frames
 from tests.conformance import Case, at, call, compare, concurrently
-from tests.engines import CONTEXT, hf_prompts, metric, post, vllm_server
+from tests.engines import CONTEXT, generations_per_job, hf_prompts, metric, post, vllm_server
 from tests.helpers import (
     assert_verified,
     log_of,
@@ -29,6 +29,7 @@ from tests.helpers import (
 pytestmark = [pytest.mark.real_engine, pytest.mark.vllm]
 MAX_NEW = 24
 FINISHED = "vllm:request_success_total"
+LOGGED = "--enable-log-requests"  # each request's id in the server's log: generations per job
 
 
 def model_id(url: str) -> str:
@@ -70,6 +71,15 @@ def _check_exact(out, dataset: str, prompts: list[list[int]], url: str) -> list[
     return records
 
 
+@pytest.fixture(scope="module")
+def vllm(vllm_install, tmp_path_factory):
+    """The module's server, logging the requests it receives."""
+    python, model = vllm_install
+    server = vllm_server(python, model, tmp_path_factory.mktemp("vllm") / "vllm.log", LOGGED)
+    yield server.start()
+    server.stop()
+
+
 def test_records_equal_direct_completions_and_nothing_is_generated_twice(procs, vllm, out, tmp_path):
     prompts = hf_prompts(200, seed=11)
     data = write_ids(tmp_path / "exact.jsonl", prompts)
@@ -82,6 +92,9 @@ def test_records_equal_direct_completions_and_nothing_is_generated_twice(procs, 
     assert "vllm detected 0.32" in logs[0], logs[0]
     generated = metric(vllm.url, FINISHED) - before
     assert generated == len(prompts) + 2, f"{generated} generations for {len(prompts)} prompts (2 probes)"
+    per_job = generations_per_job("vllm", vllm.log)
+    namespace = procs.env["GENQ_NAMESPACE"]
+    assert [per_job[f"{namespace}--exact-{i}"] for i in range(len(prompts))] == [1] * len(prompts)
     _check_exact(out, "exact", prompts, vllm.url)
     assert_verified(procs, out, data)
 
@@ -119,7 +132,7 @@ def test_the_chat_backend_through_chat_completions(procs, vllm, out, tmp_path):
 
 def test_the_server_killed_and_restarted_mid_run(procs, vllm_install, out, tmp_path):
     python, model = vllm_install
-    server = vllm_server(python, model, tmp_path / "vllm.log")
+    server = vllm_server(python, model, tmp_path / "vllm.log", LOGGED)
     server.start()
     prompts = hf_prompts(500, seed=12)
     data = write_ids(tmp_path / "kills.jsonl", prompts)
@@ -145,6 +158,11 @@ def test_the_server_killed_and_restarted_mid_run(procs, vllm_install, out, tmp_p
         assert stop(collector, timeout=60) == 0, log_of(collector)
         _check_exact(out, "kills", prompts, server.url)
         assert not read_jsonl(out / "kills" / "errors.jsonl")
+        # Only what the dead server held in flight (8 at most) was generated again.
+        per_job = generations_per_job("vllm", server.log)
+        assert len(per_job) == len(prompts) and max(per_job.values()) <= 2, per_job.most_common(3)
+        repeated = sum(n - 1 for n in per_job.values())
+        assert repeated <= 8, f"{repeated} generations repeated (8 were in flight)"
     finally:
         server.stop()
 
