@@ -72,17 +72,21 @@ def check(params: dict[str, Any], allowed: Iterable[str] | None = None, backend:
             raise SamplingError(
                 f"sampling key {key!r}: expected {' or '.join(t.__name__ for t in types)}, got {value!r}"
             )
-    _verify(params)
+    _verify(params, backend)
 
 
-def _verify(p: dict[str, Any]) -> None:
-    """SamplingParams.verify, message for message where it has one."""
+def _verify(p: dict[str, Any], backend: str | None = None) -> None:
+    """SamplingParams.verify, message for message where it has one; and what only the backend's
+    engine refuses."""
 
     def bad(message: str) -> SamplingError:
         return SamplingError(message)
 
     if p.get("temperature", 0) < 0:
         raise bad(f"temperature must be a non-negative finite number, got {p['temperature']}.")
+    if backend == "vllm" and p.get("temperature", 0) > 2:
+        # vLLM's sampling_params.py _verify_args (seen on the real 0.32): every job would be a 400
+        raise bad(f"temperature must be in [0, 2] on vLLM, got {p['temperature']}.")
     if "top_p" in p and not 0 < p["top_p"] <= 1:
         raise bad(f"top_p must be in (0, 1], got {p['top_p']}.")
     if "min_p" in p and not 0 <= p["min_p"] <= 1:

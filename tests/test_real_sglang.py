@@ -334,12 +334,19 @@ def test_a_worker_killed_mid_run_repeats_only_what_was_in_flight(procs, sglang, 
     )
     sigkill(worker)
     assert status_json(procs)["datasets"]["wk"]["done"] < len(prompts), "killed after the run ended"
-    _run(procs, out, sglang.url, flags)
+    # Not --burst: a burst worker may find the queue empty while the dead worker's jobs still wait
+    # out its heartbeat TTL, and exit before they come back.
+    replacement = procs.start("worker", "--server", sglang.url, *flags)
+    collector = procs.start("collect", "--out", out)
+    wait_until(lambda: status_json(procs)["datasets"]["wk"]["done"] == len(prompts), 120, "every record")
+    assert stop(replacement, timeout=60) == 0, log_of(replacement)
+    assert stop(collector, timeout=60) == 0, log_of(collector)
     wasted = metric(sglang.url, *GENERATES) - before - len(prompts) - 2  # two workers' probes
     per_job = generations_per_job("sglang", sglang.log)
-    twice = sorted(job for job, n in per_job.items() if "--wk-" in job and n > 1)
+    mine = {job: n for job, n in per_job.items() if job.startswith(f"{procs.env['GENQ_NAMESPACE']}--wk-")}
+    twice = sorted(job for job, n in mine.items() if n > 1)
     report(f"real SGLang, a worker SIGKILLed with 8 in flight: {wasted:.0f} generations repeated")
-    assert wasted == len(twice) and max(per_job.values()) <= 2, per_job.most_common(3)
+    assert len(mine) == len(prompts) and wasted == len(twice) and max(mine.values()) <= 2, twice
     assert 0 <= wasted <= 8, f"{wasted} generations repeated: {twice} (8 were in flight)"
     _check_exact(out, "wk", prompts, sglang.url)
 
@@ -348,7 +355,8 @@ def test_a_worker_killed_mid_run_repeats_only_what_was_in_flight(procs, sglang, 
 
 P = [5, 6, 7, 8, 9, 10]
 SHORT = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}  # seconds on both servers
+# As long as the context allows: ~1 s on the real server alone on two cores, 10 s on the simulator.
+LONG = {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}
 
 
 def _gen(name: str, params: dict | None = None, ids: list[int] | None = P, **kw) -> Case:
@@ -450,7 +458,9 @@ def _server_info_agrees(real: str, sim: str) -> list[str]:
 def _duplicate_rid(url: str) -> dict:
     rid = "conformance-duplicate"
     body = {"rid": rid, "input_ids": P, "sampling_params": LONG}
-    first, second = concurrently(lambda: call(url, "/generate", body), lambda: call(url, "/generate", body))
+    first, second = concurrently(
+        lambda: call(url, "/generate", body), lambda: call(url, "/generate", body), stagger=0.1
+    )
     return {
         "first": (first.status, at(first.body, "meta_info.finish_reason.type")),
         "second": (second.status, skeleton(second.body), message(second.body)),
@@ -462,7 +472,7 @@ def _abort_running(url: str) -> dict:
     running, aborted = concurrently(
         lambda: call(url, "/generate", {"rid": rid, "input_ids": P, "sampling_params": LONG}),
         lambda: call(url, "/abort_request", {"rid": rid}),
-        stagger=1.0,
+        stagger=0.3,  # the rid is registered on arrival; the generation is far from done
     )
     return {
         "abort": (aborted.status, aborted.body),
@@ -471,7 +481,7 @@ def _abort_running(url: str) -> dict:
             skeleton(_without_metrics(running.body)),
             at(running.body, "meta_info.finish_reason"),
         ),
-        "partial": 0 < len(running.body["output_ids"]) < LONG["max_new_tokens"],
+        "stopped early": len(running.body["output_ids"]) < LONG["max_new_tokens"],
     }
 
 

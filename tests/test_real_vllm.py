@@ -130,6 +130,7 @@ def test_the_chat_backend_through_chat_completions(procs, vllm, out, tmp_path):
         assert r["completion_tokens"] == answer["usage"]["completion_tokens"]
 
 
+@pytest.mark.timeout(600)  # two server starts (30-100 s each on two busy cores)
 def test_the_server_killed_and_restarted_mid_run(procs, vllm_install, out, tmp_path):
     python, model = vllm_install
     server = vllm_server(python, model, tmp_path / "vllm.log", LOGGED)
@@ -180,6 +181,17 @@ def test_a_prompt_over_the_context(procs, vllm, out, tmp_path):
     assert res.returncode == 0, res.stderr
     assert "enqueued 2, skipped 0, rejected 1" in res.stdout, res.stdout
     assert f"{data}:3: field 'input_ids'" in res.stderr, res.stderr
+
+
+def test_a_temperature_vllm_refuses_is_refused_at_enqueue(procs, vllm, tmp_path):
+    """vLLM refuses a temperature above 2 (SGLang takes it): enqueue --server says so before a job
+    is queued, instead of every job ending as a 400."""
+    status, body = post(vllm.url, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "temperature": 2.5})
+    assert status == 400 and "temperature must be in [0, 2]" in body["error"]["message"], body
+    data = write_ids(tmp_path / "hot.jsonl", [[5, 6]])
+    res = procs.run("enqueue", data, "--max-new-tokens", "2", "--temperature", "2.5", "--server", vllm.url)
+    assert res.returncode != 0 and "temperature must be in [0, 2] on vLLM" in res.stderr, res.stderr
+    assert status_json(procs)["datasets"] == {}, "nothing was queued"
 
 
 def test_logprobs_equal_a_direct_calls(procs, vllm, out, tmp_path):
