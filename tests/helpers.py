@@ -171,6 +171,17 @@ def status_json(procs: Procs, env: dict[str, str] | None = None) -> dict:
     return orjson.loads(res.stdout)
 
 
+def run_burst(
+    procs: Procs, out: Path, url: str, *workers: tuple[str, ...], timeout: float = 300
+) -> list[str]:
+    """Burst workers on ``url`` (one per tuple of extra flags) until the queue is empty, then a burst
+    collect; the workers' logs."""
+    started = [procs.start("worker", "--server", url, "--burst", *flags) for flags in workers]
+    assert [w.wait(timeout) for w in started] == [0] * len(started), [log_of(w) for w in started]
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    return [log_of(w) for w in started]
+
+
 def assert_verified(procs: Procs, out: Path, data: Path) -> None:
     """`genq verify` of the dataset ``data`` finds every row on disk once and nothing else."""
     res = procs.run("verify", "--out", out, data, "--json")

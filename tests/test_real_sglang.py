@@ -33,6 +33,7 @@ from tests.helpers import (
     assert_verified,
     log_of,
     read_jsonl,
+    run_burst,
     sigkill,
     sim_get,
     status_json,
@@ -59,14 +60,6 @@ def sglang(sglang_install, tmp_path_factory):
     server.stop()
 
 
-def _run(procs, out, url: str, *workers: tuple[str, ...], timeout: float = 240) -> list[str]:
-    """Burst workers (each with its extra flags) until the queue is empty, then collect."""
-    started = [procs.start("worker", "--server", url, "--burst", *flags) for flags in workers]
-    assert [w.wait(timeout) for w in started] == [0] * len(started), [log_of(w) for w in started]
-    assert procs.run("collect", "--out", out, "--burst").returncode == 0
-    return [log_of(w) for w in started]
-
-
 def _check_exact(
     out, dataset: str, prompts: list[list[int]], url: str, key: str | None = None, batch: int = 16
 ) -> list[dict]:
@@ -91,7 +84,7 @@ def test_records_equal_direct_greedy_generate_and_nothing_is_generated_twice(pro
     assert res.returncode == 0, res.stderr
     assert "enqueued 240" in res.stdout
     before = metric(sglang.url, *GENERATES)  # after enqueue's own 1-token probe of the server
-    logs = _run(procs, out, sglang.url, ("--concurrency", "16"), ("--concurrency", "16"))
+    logs = run_burst(procs, out, sglang.url, ("--concurrency", "16"), ("--concurrency", "16"))
     # The start-up probe read the real /server_info and /model_info.
     assert "sglang detected 0.5.23" in logs[0], logs[0]
     generated = metric(sglang.url, *GENERATES) - before
@@ -257,7 +250,7 @@ def test_logprobs_equal_a_direct_calls(procs, sglang, out, tmp_path):
         "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--logprobs", str(k)
     )
     assert res.returncode == 0, res.stderr
-    _run(procs, out, sglang.url, ("--concurrency", "8"))
+    run_burst(procs, out, sglang.url, ("--concurrency", "8"))
     records = {r["id"]: r for r in _check_exact(out, "lp", prompts, sglang.url)}
     got = {record_id: lp for _, _, record_id, lp in frames(out / "lp" / FILE)}
     assert set(got) == set(records)
@@ -303,7 +296,7 @@ def test_turns_all_with_the_models_chat_template(procs, sglang, sglang_install, 
         "--temperature", "0", "--server", sglang.url,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
-    _run(procs, out, sglang.url, ("--concurrency", "8"))
+    run_burst(procs, out, sglang.url, ("--concurrency", "8"))
     records = read_jsonl(out / "chat" / "raw_responses.jsonl")
     assert sorted(r["row"] for r in records) == list(range(len(rows)))
     for r in records:

@@ -19,6 +19,7 @@ from tests.helpers import (
     assert_verified,
     log_of,
     read_jsonl,
+    run_burst,
     sim_get,
     status_json,
     stop,
@@ -54,13 +55,6 @@ def completions(url: str, prompts: list[list[int]], **extra) -> list[dict]:
     return choices
 
 
-def _run(procs, out, url: str, *flags: str, workers: int = 1) -> list[str]:
-    started = [procs.start("worker", "--server", url, "--burst", *flags) for _ in range(workers)]
-    assert [w.wait(300) for w in started] == [0] * workers, [log_of(w) for w in started]
-    assert procs.run("collect", "--out", out, "--burst").returncode == 0
-    return [log_of(w) for w in started]
-
-
 def _check_exact(out, dataset: str, prompts: list[list[int]], url: str) -> list[dict]:
     records = read_jsonl(out / dataset / "raw_responses.jsonl")
     assert sorted(r["row"] for r in records) == list(range(len(prompts))), "each prompt exactly once"
@@ -88,7 +82,7 @@ def test_records_equal_direct_completions_and_nothing_is_generated_twice(procs, 
     )
     assert res.returncode == 0, res.stderr
     before = metric(vllm.url, FINISHED)  # after enqueue's own 1-token probe
-    logs = _run(procs, out, vllm.url, "--concurrency", "16", workers=2)
+    logs = run_burst(procs, out, vllm.url, ("--concurrency", "16"), ("--concurrency", "16"))
     assert "vllm detected 0.32" in logs[0], logs[0]
     generated = metric(vllm.url, FINISHED) - before
     assert generated == len(prompts) + 2, f"{generated} generations for {len(prompts)} prompts (2 probes)"
@@ -112,7 +106,7 @@ def test_the_chat_backend_through_chat_completions(procs, vllm, out, tmp_path):
         "enqueue", data, "--backend", "openai-chat", "--max-new-tokens", str(MAX_NEW), "--temperature", "0"
     )
     assert res.returncode == 0, res.stderr
-    _run(procs, out, vllm.url, "--backend", "openai-chat", "--concurrency", "8")
+    run_burst(procs, out, vllm.url, ("--backend", "openai-chat", "--concurrency", "8"))
     records = read_jsonl(out / "chat" / "raw_responses.jsonl")
     assert sorted(r["row"] for r in records) == list(range(len(rows)))
     model = model_id(vllm.url)
@@ -202,7 +196,7 @@ def test_logprobs_equal_a_direct_calls(procs, vllm, out, tmp_path):
         "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--logprobs", str(k)
     )
     assert res.returncode == 0, res.stderr
-    _run(procs, out, vllm.url, "--concurrency", "8")
+    run_burst(procs, out, vllm.url, ("--concurrency", "8"))
     records = {r["id"]: r for r in _check_exact(out, "lp", prompts, vllm.url)}
     got = {record_id: lp for _, _, record_id, lp in frames(out / "lp" / FILE)}
     assert set(got) == set(records)
