@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -13,6 +14,7 @@ import redis
 
 from genq.embedded import EmbeddedRedis
 from genq.processes import wait_for_line
+from tests.dataset_helpers import build_tokenizer
 from tests.helpers import Procs
 
 pytest_plugins = ["tests.llama", "tests.engines"]  # the real engines: llama.cpp, SGLang, vLLM
@@ -42,7 +44,7 @@ def namespace() -> str:
 def procs(redis_url, namespace, tmp_path) -> Iterator[Procs]:
     logs = tmp_path / "logs"
     logs.mkdir()
-    p = Procs({**__import__("os").environ, "GENQ_REDIS_URL": redis_url, "GENQ_NAMESPACE": namespace}, logs)
+    p = Procs({**os.environ, "GENQ_REDIS_URL": redis_url, "GENQ_NAMESPACE": namespace}, logs)
     yield p
     p.kill_all()
 
@@ -72,6 +74,12 @@ def out(tmp_path) -> Path:
     path = tmp_path / "out"
     path.mkdir()
     return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A small byte-level BPE tokenizer with a ChatML template (tests/dataset_helpers.py)."""
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 REPORT: list[str] = []

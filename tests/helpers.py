@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +107,13 @@ def write_ids(path: Path, prompts: list[list[int]]) -> Path:
     """A dataset of pre-tokenized prompts, one row each (ids s0, s1, ...)."""
     rows = (orjson.dumps({"id": f"s{i}", "input_ids": p}) + b"\n" for i, p in enumerate(prompts))
     path.write_bytes(b"".join(rows))
+    return path
+
+
+def write_jsonl(path: Path, rows: Iterable[Any]) -> Path:
+    """One JSON value per line (a dict, a list, or a str written as it is: a bad line on purpose)."""
+    lines = (r.encode() if isinstance(r, str) else orjson.dumps(r) for r in rows)
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
     return path
 
 
@@ -221,3 +230,28 @@ def server_up(url: str) -> bool:
             return True
     except OSError:
         return False
+
+
+def http(url: str, method: str = "GET", auth: tuple[str, str] | None = None) -> tuple[int, bytes]:
+    """Status and body of one request; 0 and no body when nothing listens (yet)."""
+    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    if auth:
+        token = base64.b64encode(":".join(auth).encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except urllib.error.URLError:
+        return 0, b""
+
+
+def http_status(url: str, method: str = "GET", auth: tuple[str, str] | None = None) -> int:
+    return http(url, method, auth)[0]
+
+
+def snapshot(conn) -> None:
+    """BGSAVE, and wait until Redis has written the RDB file."""
+    conn.bgsave()
+    wait_until(lambda: conn.info("persistence")["rdb_bgsave_in_progress"] == 0, 30, "the snapshot")

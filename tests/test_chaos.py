@@ -10,9 +10,7 @@ torn, the stream is empty and `genq status` adds up.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 
 import orjson
 import pytest
@@ -22,7 +20,7 @@ from genq import status as status_mod
 from genq.embedded import EmbeddedRedis
 from genq.keys import Keys
 from sim.model import generate, render_chat
-from tests.helpers import Procs, log_of, read_jsonl, sigkill, stop, wait_until
+from tests.helpers import Procs, log_of, read_jsonl, sigkill, sim_stats, stop, wait_until
 
 TOO_LONG_EVERY = 50  # 2 % of the prompts cannot fit the context
 CONTEXT = 1024
@@ -149,7 +147,7 @@ def test_chaos(procs: Procs, start_sim, tmp_path, namespace, report, backend):
             assert stop(w, timeout=60) == 0, log_of(w)
         assert stop(collector, timeout=60) == 0, log_of(collector)
     finally:
-        server_stats = _stats(sim)
+        server_stats = sim_stats(sim)
         final_status = procs.run("status", "--json", env=env)
         server.stop()
 
@@ -198,8 +196,3 @@ def _check_normal(out, normal: list[list[int] | None], token_exact: bool) -> Non
             assert r["output_ids"] == expected.output_ids, r["id"]
         else:
             assert (r["text"], r["output_ids"], r["token_exact"]) == (expected.text, None, False), r["id"]
-
-
-def _stats(url: str) -> dict:
-    with urllib.request.urlopen(url + "/sim/stats", timeout=10) as resp:
-        return json.loads(resp.read())

@@ -20,7 +20,7 @@ from collector.drain import Collector
 from genq.embedded import EmbeddedRedis
 from genq.keys import Keys
 from genq.settings import connect
-from tests.helpers import check_records, read_jsonl, wait_until, write_prompts
+from tests.helpers import check_records, read_jsonl, snapshot, write_prompts
 
 PARAMS = {"max_new_tokens": 100}
 N = 300
@@ -42,11 +42,6 @@ def timewarp(procs, start_sim, tmp_path, namespace):
     state = [server, conn, keys, prompts]  # the test puts the restarted server in place
     yield state
     state[0].stop()
-
-
-def _snapshot(conn: redis.Redis) -> None:
-    conn.bgsave()
-    wait_until(lambda: conn.info("persistence")["rdb_bgsave_in_progress"] == 0, 30, "the snapshot")
 
 
 def _restart_from_snapshot(server: EmbeddedRedis, tmp_path: Path) -> EmbeddedRedis:
@@ -79,7 +74,7 @@ def test_bits_restored_from_an_older_snapshot_write_nothing_twice(timewarp, out,
     # As if taken just after a renewal: the restored lease is still this collector's when it next
     # looks, so nothing about the lease says it holds the dataset anew.
     conn.expire(keys.collector_lease("warp"), 600)
-    _snapshot(conn)
+    snapshot(conn)
     _drain(collector)
     assert len(read_jsonl(out / "warp" / "raw_responses.jsonl")) == N
     timewarp[0] = _restart_from_snapshot(server, tmp_path)
@@ -97,7 +92,7 @@ def test_a_group_restored_from_before_it_was_made_is_made_again(timewarp, out, t
     """The snapshot is older than the collector: no lease, no consumer group. Its next read finds
     no group (NOGROUP) before its lease is due for renewal."""
     server, conn, keys, prompts = timewarp
-    _snapshot(conn)
+    snapshot(conn)
     collector = Collector(connect(server.url), keys, out, batch=100)
     assert collector.claim() == ["warp"]
     _drain(collector)

@@ -27,6 +27,7 @@ from genq.embedded import EmbeddedRedis, free_port
 from tests.helpers import (
     assert_adds_up,
     check_records,
+    http_status,
     log_of,
     need,
     read_jsonl,
@@ -36,7 +37,6 @@ from tests.helpers import (
     write_prompts,
     written_lines,
 )
-from tests.test_deploy import http_status
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "compose.yaml"
@@ -263,7 +263,7 @@ def test_compose_demo_in_containers(project, report):
     base = f"http://127.0.0.1:{project.env['DASHBOARD_PORT']}/"
     project.wait(lambda: http_status(base) == 401, 60, "the dashboard")
     password = (REPO / "ops/compose/dashboard-password.demo").read_text().strip()
-    assert http_status(base, ("genq", password)) == 200
+    assert http_status(base, auth=("genq", password)) == 200
 
     # The CAs given with EXTRA_CA_CERTS (pip needed them to build: see extra_ca_certs) stayed in the
     # build stage.

@@ -8,21 +8,14 @@ earlier answers; and each turn's output is what the simulator gives that prompt.
 from __future__ import annotations
 
 import orjson
-import pytest
 from transformers import AutoTokenizer
 
 from genq.conversation import answer_message, turn_prompt
 from sim.model import generate
-from tests.dataset_helpers import build_tokenizer
 from tests.helpers import log_of, read_jsonl, sigkill, sim_stats, status_json, wait_until
 
 PARAMS = {"max_new_tokens": 40}
 ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
 
 
 def sharegpt_rows(n: int, turns_of=lambda i: 1 + i % 4) -> list[dict]:

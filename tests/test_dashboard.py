@@ -6,8 +6,6 @@ from __future__ import annotations
 import base64
 import re
 import subprocess
-import urllib.error
-import urllib.request
 
 import orjson
 import redis
@@ -15,17 +13,16 @@ import redis
 from genq.dashboard_app import create_app
 from genq.embedded import free_port
 from genq.keys import Keys
-from tests.helpers import assert_adds_up, log_of, need, read_jsonl, status_json, wait_until, write_prompts
-
-
-def get(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except urllib.error.URLError:
-        return 0, b""  # not listening yet
+from tests.helpers import (
+    assert_adds_up,
+    http,
+    log_of,
+    need,
+    read_jsonl,
+    status_json,
+    wait_until,
+    write_prompts,
+)
 
 
 def dump_dom(url: str, profile) -> str:
@@ -64,7 +61,7 @@ def test_dashboard_in_chromium_during_a_run(procs, start_sim, out, tmp_path, con
     port = free_port()
     dashboard = procs.start("dashboard", "--port", str(port))
     base = f"http://127.0.0.1:{port}"
-    wait_until(lambda: get(f"{base}/0/data/queues.json")[0] == 200, 30, "the dashboard")
+    wait_until(lambda: http(f"{base}/0/data/queues.json")[0] == 200, 30, "the dashboard")
     assert f"http://127.0.0.1:{port}/" in log_of(dashboard), "bound to 127.0.0.1 by default"
     procs.start("worker", "--server", url, "--concurrency", "8")
     procs.start("collect", "--out", out)
@@ -82,9 +79,9 @@ def test_dashboard_in_chromium_during_a_run(procs, start_sim, out, tmp_path, con
         f"/0/view/job/{started}",
         "/0/view/workers",
     ):
-        code, body = get(base + path)
+        code, body = http(base + path)
         assert code == 200, (path, body[:500])
-    workers = orjson.loads(get(f"{base}/0/data/workers.json")[1])["workers"]
+    workers = orjson.loads(http(f"{base}/0/data/workers.json")[1])["workers"]
     (worker,) = [w for w in workers if w["name"].startswith(f"genq.{namespace}.")]
     assert worker["state"] == "busy" and worker["queues"] == [queue]
     assert worker["current_job"]["job_id"].startswith(f"{namespace}--dash-"), "a busy worker, read as JSON"

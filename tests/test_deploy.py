@@ -6,7 +6,6 @@ The settings each file must carry are read from the live click commands, so a fl
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import inspect
 import os
@@ -18,8 +17,6 @@ import stat
 import subprocess
 import sys
 import tomllib
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from fnmatch import fnmatch
 from pathlib import Path
@@ -37,7 +34,16 @@ from genq.cli import main
 from genq.embedded import free_port
 from genq.keys import Keys
 from genq.settings import REDIS_ENV, SERVER_ENV
-from tests.helpers import assert_adds_up, check_records, log_of, need, status_json, wait_until, write_prompts
+from tests.helpers import (
+    assert_adds_up,
+    check_records,
+    http_status,
+    log_of,
+    need,
+    status_json,
+    wait_until,
+    write_prompts,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 OPS = REPO / "ops"
@@ -563,7 +569,7 @@ def test_compose_demo_runs_without_docker(tmp_path, out):
             dash_password = secrets["dashboard-password"].strip()
             base = f"http://127.0.0.1:{dash_port}/"
             assert http_status(base) == 401
-            assert http_status(base, ("genq", dash_password)) == 200
+            assert http_status(base, auth=("genq", dash_password)) == 200
         finally:
             for _name, proc in reversed(procs):
                 if proc.poll() is None:
@@ -572,20 +578,6 @@ def test_compose_demo_runs_without_docker(tmp_path, out):
     records = [orjson.loads(line) for line in (out / "prompts" / "raw_responses.jsonl").open("rb")]
     assert len(records) == len({r["id"] for r in records}) == lines
     assert all(code == 0 for name, code in codes.items() if not name.startswith("dashboard")), codes
-
-
-def http_status(url: str, auth: tuple[str, str] | None = None) -> int:
-    request = urllib.request.Request(url)
-    if auth:
-        token = base64.b64encode(":".join(auth).encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except urllib.error.URLError:
-        return 0
 
 
 def test_dockerfile_installs_the_package():

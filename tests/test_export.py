@@ -6,18 +6,12 @@ import hashlib
 from pathlib import Path
 
 import orjson
-import pytest
 
 from sim.model import generate, tokenize
-from tests.dataset_helpers import build_tokenizer, run_pipeline
+from tests.dataset_helpers import run_pipeline
 from tests.helpers import read_jsonl
 
 MAX_NEW = 300  # the simulator's outputs run 16-512 tokens: some finish, some are cut
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def _digest(path: Path) -> str:

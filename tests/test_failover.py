@@ -19,7 +19,7 @@ import orjson
 import redis
 
 from genq.embedded import EmbeddedRedis, free_port, redis_binary
-from tests.helpers import check_records, log_of, read_jsonl, status_json, wait_until, write_prompts
+from tests.helpers import check_records, log_of, read_jsonl, snapshot, status_json, wait_until, write_prompts
 
 PARAMS = {"max_new_tokens": 100}
 MASTER = "genq"
@@ -77,8 +77,7 @@ def test_redis_back_in_time_from_an_older_snapshot(procs, start_sim, out, tmp_pa
         ]
         wait_until(lambda: (out / "timewarp" / "raw_responses.jsonl").exists(), 60, "records on disk")
         wait_until(lambda: _done(procs, env) > 300, 120, "a quarter on disk")
-        conn.bgsave()
-        wait_until(lambda: conn.info("persistence")["rdb_bgsave_in_progress"] == 0, 30, "the snapshot")
+        snapshot(conn)
         assert enqueue.poll() is None, "the enqueue is still running when the snapshot is taken"
         wait_until(lambda: _done(procs, env) > 1100, 180, "three quarters on disk")
         server.proc.kill()  # the last writes since the snapshot are gone with the AOF

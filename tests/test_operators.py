@@ -4,27 +4,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from genq.embedded import free_port
-from tests.helpers import check_records, log_of, read_jsonl, status_json, wait_until, write_prompts
-from tests.test_reliability import sim_post
+from tests.helpers import (
+    check_records,
+    http_status,
+    log_of,
+    read_jsonl,
+    sim_post,
+    status_json,
+    wait_until,
+    write_prompts,
+)
 
 DASHBOARD = str(Path(sys.executable).parent / "rq-dashboard")
-
-
-def http(method: str, url: str) -> int:
-    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            resp.read()
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except urllib.error.URLError:
-        return 0  # not listening yet
 
 
 def test_plain_rq_dashboard_during_a_run_corrupts_and_loses_nothing(
@@ -45,13 +39,13 @@ def test_plain_rq_dashboard_during_a_run_corrupts_and_loses_nothing(
     base = f"http://127.0.0.1:{port}"
     queue = f"{namespace}.dash"
     try:
-        wait_until(lambda: http("GET", f"{base}/0/data/queues.json") == 200, 30, "the dashboard")
+        wait_until(lambda: http_status(f"{base}/0/data/queues.json") == 200, 30, "the dashboard")
         worker = procs.start(
             "worker", "--server", url, "--burst", "--max-attempts", "1", "--concurrency", "32"
         )
         wait_until(lambda: status_json(procs)["datasets"]["dash"]["in_flight"] > 0, 30, "jobs in flight")
         seen = {
-            path: http("GET", base + path)
+            path: http_status(base + path)
             for path in (
                 "/0/data/queues.json",
                 "/0/data/workers.json",
@@ -67,8 +61,8 @@ def test_plain_rq_dashboard_during_a_run_corrupts_and_loses_nothing(
         assert failed, "with a 30 % failure rate and one attempt, some jobs failed"
         sim_post(url, "/sim/faults", {"error_500": 0.0})
         # Requeue from the dashboard: one job, then all of them (meta re-saved as pickle).
-        assert http("POST", f"{base}/job/{namespace}--{failed[0]['id']}/requeue") == 200
-        assert http("POST", f"{base}/requeue/{queue}") == 200
+        assert http_status(f"{base}/job/{namespace}--{failed[0]['id']}/requeue", "POST") == 200
+        assert http_status(f"{base}/requeue/{queue}", "POST") == 200
         wait_until(lambda: status_json(procs)["datasets"]["dash"]["queued"] == len(failed), 10, "the requeue")
     finally:
         dashboard.kill()

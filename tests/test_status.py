@@ -12,8 +12,16 @@ from genq import datasets
 from genq.keys import Keys
 from genq.status import status
 from genq.tokens import BUCKET_S
-from tests.helpers import assert_adds_up, log_of, read_jsonl, sigkill, status_json, wait_until, write_prompts
-from tests.test_reliability import sim_post
+from tests.helpers import (
+    assert_adds_up,
+    log_of,
+    read_jsonl,
+    sigkill,
+    sim_post,
+    status_json,
+    wait_until,
+    write_prompts,
+)
 
 NOW = 1_000_005.0  # window of the recent rate: buckets 99971..100000, from 999,710 s
 

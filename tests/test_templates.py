@@ -12,7 +12,7 @@ from genq.keys import Keys
 from genq.templates import ChatTemplate, TemplateError
 from producer import thinking
 from sim.model import generate
-from tests.dataset_helpers import build_tokenizer, run_pipeline
+from tests.dataset_helpers import run_pipeline
 from worker.reasoning import split
 
 THREE_TURNS = [
@@ -21,11 +21,6 @@ THREE_TURNS = [
     {"from": "human", "value": "And of Italy?"},
     {"from": "gpt", "value": "Rome, the eternal city."},
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="module")
