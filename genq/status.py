@@ -1,4 +1,4 @@
-"""Where every job is, read from Redis alone: the five states of DESIGN.md add up to the total.
+"""Where every job is, read from Redis alone: the five states of docs/design.md add up to the total.
 
 - queued:    in the dataset's RQ queue (or RQ's intermediate list on its way to a worker), or still
              in the dataset's files, held back by ``enqueue --max-queued`` (the ``in_source`` hash)

@@ -1,4 +1,4 @@
-"""`genq verify`: the audit of DESIGN.md's first invariant, on Redis and the files on disk.
+"""`genq verify`: the audit of docs/design.md's first invariant, on Redis and the files on disk.
 
 Every job a dataset should have (every row of its source files × samples, or, without files,
 every job its ``enqueued`` bitmap names) must be exactly one of: queued, in flight, retrying, in

@@ -19,6 +19,15 @@ from tests.helpers import Procs
 
 pytest_plugins = ["tests.llama", "tests.engines"]  # the real engines: llama.cpp, SGLang, vLLM
 
+# Tiers that are slow by nature: `pytest -m "not slow"` leaves them out with the other slow tests.
+SLOW_TIERS = ("real_engine", "chaos", "containers", "multihost")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(tier) for tier in SLOW_TIERS):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory) -> Iterator[str]:

@@ -1,4 +1,4 @@
-"""Shared test helpers: real processes, bounded waits, and the invariant checks of DESIGN.md."""
+"""Shared test helpers: real processes, bounded waits, and the invariant checks of docs/design.md."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def check_records(
     skip_rows: frozenset[int] = frozenset(),
     **model: int,
 ) -> list[dict]:
-    """DESIGN.md invariants on disk: each job exactly once, output_ids the server's for its prompt.
+    """docs/design.md invariants on disk: each job exactly once, output_ids the server's for its prompt.
 
     ``skip_rows``: rows expected in errors.jsonl instead. ``model`` passes the simulator's
     --min-len/--max-len, when a test changed them.
@@ -255,3 +255,33 @@ def snapshot(conn) -> None:
     """BGSAVE, and wait until Redis has written the RDB file."""
     conn.bgsave()
     wait_until(lambda: conn.info("persistence")["rdb_bgsave_in_progress"] == 0, 30, "the snapshot")
+
+
+def kill_collector_mid_write(
+    procs: Procs,
+    out: Path,
+    raw: Path,
+    total: int,
+    times: int = 3,
+    batch: int = 10,
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> list[int]:
+    """Start `genq collect --out OUT --batch BATCH` ``times`` times, SIGKILL each one as soon as it
+    has appended to ``raw`` (the records file it drains into), and fail unless each kill came
+    mid-drain: fewer than ``total`` complete lines on disk after it (the stream should hold
+    ``total`` results, all produced before, so the collector has a backlog to write). Returns the
+    complete lines on disk after each kill."""
+    size = lambda: raw.stat().st_size if raw.exists() else 0  # noqa: E731
+    after = []
+    for n in range(1, times + 1):
+        before = size()
+        collector = procs.start("collect", "--out", out, "--batch", str(batch), env=env)
+        wait_until(lambda b=before: size() > b, timeout, f"collector {n} to write to {raw.name}", 0.005)
+        sigkill(collector)
+        after.append(len(written_lines(raw)))
+        assert after[-1] < total, (
+            f"kill {n} of the collector came after all {total} lines were on disk, not mid-drain "
+            f"(lines after each kill: {after})"
+        )
+    return after

@@ -7,7 +7,13 @@ import pytest
 
 from genq.logprobs import FILE, LogProbs, frames, pack, valid_end
 from sim.model import logprobs as sim_logprobs
-from tests.helpers import check_records, log_of, read_jsonl, sigkill, status_json, wait_until, write_prompts
+from tests.helpers import (
+    check_records,
+    kill_collector_mid_write,
+    log_of,
+    status_json,
+    write_prompts,
+)
 
 K = 5
 
@@ -52,15 +58,10 @@ def test_collector_kills_leave_one_frame_per_record(procs, start_sim, out, tmp_p
     prompts = write_prompts(data, 600)
     assert procs.run("enqueue", data, "--max-new-tokens", "100", "--logprobs", str(K)).returncode == 0
     assert procs.run("worker", "--server", url, "--burst").returncode == 0
-    raw = out / "kills" / "raw_responses.jsonl"
-    lines = lambda: raw.read_bytes().count(b"\n") if raw.exists() else 0  # noqa: E731
-    # Killed three times while it writes. Small batches (an fsync each) keep it writing a while;
-    # a collector that finished before its kill still leaves a valid restart to check.
-    for _ in range(3):
-        before = lines()
-        collector = procs.start("collect", "--out", out, "--batch", "10")
-        wait_until(lambda b=before: lines() > b or b >= len(prompts), 60, "more lines", 0.005)
-        sigkill(collector)
+    assert status_json(procs)["stream"]["length"] == len(prompts), "every result waits in the stream"
+    # Killed three times while it drains that backlog: small batches (an fsync each) keep it
+    # writing a while; each kill must leave lines still to write.
+    print("KILLS", kill_collector_mid_write(procs, out, out / "kills" / "raw_responses.jsonl", len(prompts)))
     # A crash between a batch's frames and its lines leaves frames of records not on disk.
     with (out / "kills" / FILE).open("ab") as fh:
         fh.write(pack("kills-99999", LogProbs([-0.5], [[1] * K], [[-0.5] * K])))

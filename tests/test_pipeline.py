@@ -8,6 +8,7 @@ import pytest
 from tests.helpers import (
     assert_adds_up,
     check_records,
+    kill_collector_mid_write,
     log_of,
     read_jsonl,
     sigkill,
@@ -81,16 +82,11 @@ def test_collector_killed_mid_drain_loses_and_duplicates_nothing(
     assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
     worker = procs.start("worker", "--server", url, "--burst")
     assert worker.wait(120) == 0, log_of(worker)
+    assert status_json(procs)["stream"]["length"] == len(prompts), "every result waits in the stream"
     raw = out / "k" / "raw_responses.jsonl"
-    lines = lambda: raw.read_bytes().count(b"\n") if raw.exists() else 0  # noqa: E731
-    # Kill it three times while it writes, each time at another point. Small batches (an fsync
-    # each) keep it writing for a while; a kill that comes after the last line still leaves a
-    # valid test of the restart.
-    for _ in range(3):
-        before = lines()
-        collector = procs.start("collect", "--out", out, "--batch", "10")
-        wait_until(lambda b=before: lines() > b or b >= len(prompts), 60, "more lines", 0.005)
-        sigkill(collector)
+    # Kill it three times while it drains that backlog, each time at another point: small batches
+    # (an fsync each) keep it writing a while; each kill must leave lines still to write.
+    kill_collector_mid_write(procs, out, raw, len(prompts))
     # A crash can also leave half a line behind.
     with raw.open("ab") as fh:
         fh.write(b'{"id": "k-torn", "dataset"')

@@ -65,6 +65,46 @@ def _check_exact(out, dataset: str, prompts: list[list[int]], url: str) -> list[
     return records
 
 
+@pytest.mark.timeout(1300)  # the sum of its waits: two server starts (300 s each at most) and 660 s
+def test_the_server_killed_and_restarted_mid_run(procs, vllm_install, out, tmp_path):
+    """First in the module: its own server is then the only vLLM running (two share two cores)."""
+    python, model = vllm_install
+    server = vllm_server(python, model, tmp_path / "vllm.log", LOGGED)
+    server.start()
+    prompts = hf_prompts(400, seed=12)
+    data = write_ids(tmp_path / "kills.jsonl", prompts)
+    try:
+        assert (
+            procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0").returncode == 0
+        )
+        collector = procs.start("collect", "--out", out)
+        worker = procs.start("worker", "--server", server.url, "--concurrency", "8", "--max-attempts", "20")
+
+        def ready() -> bool:
+            c = status_json(procs)["datasets"]["kills"]
+            return c["done"] >= 60 and c["in_flight"] > 0
+
+        wait_until(ready, 240, "60 records on disk and jobs in flight", interval=0.2)
+        assert status_json(procs)["datasets"]["kills"]["done"] < len(prompts), "the kill comes mid-run"
+        server.kill()
+        wait_until(lambda: "looks down" in log_of(worker), 60, "the worker to notice")
+        server.start()
+        wait_until(
+            lambda: status_json(procs)["datasets"]["kills"]["done"] == len(prompts), 300, "every record"
+        )
+        assert stop(worker, timeout=60) == 0, log_of(worker)
+        assert stop(collector, timeout=60) == 0, log_of(collector)
+        _check_exact(out, "kills", prompts, server.url)
+        assert not read_jsonl(out / "kills" / "errors.jsonl")
+        # Only what the dead server held in flight (8 at most) was generated again.
+        per_job = generations_per_job("vllm", server.log)
+        assert len(per_job) == len(prompts) and max(per_job.values()) <= 2, per_job.most_common(3)
+        repeated = sum(n - 1 for n in per_job.values())
+        assert 1 <= repeated <= 8, f"{repeated} generations repeated (the kill dropped up to 8 in flight)"
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def vllm(vllm_install, tmp_path_factory):
     """The module's server, logging the requests it receives."""
@@ -122,44 +162,6 @@ def test_the_chat_backend_through_chat_completions(procs, vllm, out, tmp_path):
         assert r["output_ids"] == choice["token_ids"], f"{r['id']}: not the server's output"
         assert r["text"] == choice["message"]["content"]
         assert r["completion_tokens"] == answer["usage"]["completion_tokens"]
-
-
-@pytest.mark.timeout(600)  # two server starts (30-100 s each on two busy cores)
-def test_the_server_killed_and_restarted_mid_run(procs, vllm_install, out, tmp_path):
-    python, model = vllm_install
-    server = vllm_server(python, model, tmp_path / "vllm.log", LOGGED)
-    server.start()
-    prompts = hf_prompts(500, seed=12)
-    data = write_ids(tmp_path / "kills.jsonl", prompts)
-    try:
-        assert (
-            procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0").returncode == 0
-        )
-        collector = procs.start("collect", "--out", out)
-        worker = procs.start("worker", "--server", server.url, "--concurrency", "8", "--max-attempts", "20")
-
-        def ready() -> bool:
-            c = status_json(procs)["datasets"]["kills"]
-            return c["done"] >= 150 and c["in_flight"] > 0
-
-        wait_until(ready, 180, "150 records on disk and jobs in flight", interval=0.2)
-        server.kill()
-        wait_until(lambda: "looks down" in log_of(worker), 60, "the worker to notice")
-        server.start()
-        wait_until(
-            lambda: status_json(procs)["datasets"]["kills"]["done"] == len(prompts), 300, "every record"
-        )
-        assert stop(worker, timeout=60) == 0, log_of(worker)
-        assert stop(collector, timeout=60) == 0, log_of(collector)
-        _check_exact(out, "kills", prompts, server.url)
-        assert not read_jsonl(out / "kills" / "errors.jsonl")
-        # Only what the dead server held in flight (8 at most) was generated again.
-        per_job = generations_per_job("vllm", server.log)
-        assert len(per_job) == len(prompts) and max(per_job.values()) <= 2, per_job.most_common(3)
-        repeated = sum(n - 1 for n in per_job.values())
-        assert repeated <= 8, f"{repeated} generations repeated (8 were in flight)"
-    finally:
-        server.stop()
 
 
 def test_a_prompt_over_the_context(procs, vllm, out, tmp_path):

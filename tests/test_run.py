@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
-import time
 
 import orjson
+import pytest
 
 from tests.helpers import check_records, read_jsonl, sigkill, wait_until, write_prompts, written_lines
 
@@ -33,6 +34,10 @@ def _run(data, out, *extra):
     )
 
 
+# `genq run`'s progress line (not a tty: printed at its first look, then every 5 s and at the end).
+PROGRESS = re.compile(r"\] (\d+)/(\d+) on disk \((\d+) failed\), (\d+) in flight, (\d+) queued")
+
+
 def _children_of(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
@@ -46,6 +51,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.timeout(600)  # waits of up to 120 + 30 + 240 + 120 s
 def test_run_killed_and_rerun_finishes_without_duplicates(tmp_path, monkeypatch):
     monkeypatch.delenv("GENQ_REDIS_URL", raising=False)
     data = tmp_path / "resume.jsonl"
@@ -74,14 +80,19 @@ def test_run_killed_and_rerun_finishes_without_duplicates(tmp_path, monkeypatch)
     assert "resume: 250 done, 0 failed of 250" in stdout.decode()
     check_records(out, "resume", prompts, {"max_new_tokens": 300})
 
-    # A third run finds nothing to do and exits at once.
-    started = time.monotonic()
+    # A third run finds nothing to do and exits at once: its first look at the progress already
+    # finds every job on disk, nothing queued or in flight, so it waits for no job and stops there;
+    # and not a byte more is written.
+    assert len(read_jsonl(raw)) == 250
+    before = raw.read_bytes()
     third = _run(data, out)
     stdout, stderr = third.communicate(timeout=120)
     assert third.returncode == 0, stderr.decode()[-3000:]
     assert b"enqueued 0, skipped 250" in stdout + stderr
-    assert len(read_jsonl(raw)) == 250
-    assert time.monotonic() - started < 120
+    looks = PROGRESS.findall(stderr.decode())
+    assert looks, stderr.decode()[-3000:]
+    assert looks[0] == ("250", "250", "0", "0", "0"), f"the first look found work to wait for: {looks}"
+    assert raw.read_bytes() == before, "the third run wrote records"
 
 
 def test_run_example_dataset_text_prompts(tmp_path, monkeypatch):
@@ -117,6 +128,7 @@ def test_run_example_dataset_text_prompts(tmp_path, monkeypatch):
     assert {r["source_id"] for r in records} == {r["id"] for r in rows}
 
 
+@pytest.mark.timeout(480)  # two runs of up to 180 s each
 def test_rerun_on_a_fresh_redis_runs_nothing_already_on_disk(tmp_path, redis_url):
     """The files are the truth: a new namespace (or a wiped Redis) learns from them what is done."""
     data = tmp_path / "again.jsonl"

@@ -1,4 +1,4 @@
-"""Build the record (DESIGN.md schema) from a backend's normalized answer."""
+"""Build the record (docs/design.md schema) from a backend's normalized answer."""
 
 from __future__ import annotations
 
