@@ -285,3 +285,36 @@ def kill_collector_mid_write(
             f"(lines after each kill: {after})"
         )
     return after
+
+
+def started_jobs(conn, namespace: str, dataset: str) -> dict[str, str]:
+    """Job id -> the worker running it, for every execution in RQ's started registry of
+    ``dataset`` (a lapsed one stays there until a reaper takes it out)."""
+    from rq import Queue
+    from rq.job import Job
+
+    from genq.keys import Keys
+
+    queue = Queue(Keys(namespace).queue_name(dataset), connection=conn, serializer="json")
+    ids = [m.decode().split(":")[0] for m in conn.zrange(queue.started_job_registry.key, 0, -1)]
+    with conn.pipeline(transaction=False) as pipe:
+        for job_id in ids:
+            pipe.hget(Job.key_for(job_id), "worker_name")
+        names = pipe.execute()
+    return {i: (n or b"").decode() for i, n in zip(ids, names, strict=True)}
+
+
+def worker_name(procs: Procs, proc: subprocess.Popen, timeout: float = 60) -> str:
+    """The RQ name of a `genq worker` process, once it has registered (status shows it by pid)."""
+
+    def named() -> str | None:
+        return next((w["name"] for w in status_json(procs)["workers"] if w["pid"] == proc.pid), None)
+
+    return wait_until(named, timeout, f"worker {proc.pid} to register")
+
+
+def wait_all(started: Iterable[subprocess.Popen], timeout: float) -> list[int]:
+    """The exit codes of processes that run side by side, all within one ``timeout`` (not one each:
+    a test's wait budgets must add up below its pytest timeout)."""
+    deadline = time.monotonic() + timeout
+    return [proc.wait(max(deadline - time.monotonic(), 0)) for proc in started]

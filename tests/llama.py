@@ -65,8 +65,15 @@ class LlamaServer:
 
     def start(self) -> LlamaServer:
         with self.log.open("ab") as fh:
-            self.proc = subprocess.Popen(self.argv, stdout=fh, stderr=subprocess.STDOUT)
-        wait_until(lambda: server_up(self.url), 60, "llama-server to load its model")
+            proc = self.proc = subprocess.Popen(self.argv, stdout=fh, stderr=subprocess.STDOUT)
+
+        def up() -> bool:
+            assert proc.poll() is None, (
+                f"llama-server exited ({proc.returncode}): {self.log.read_text()[-2000:]}"
+            )
+            return server_up(self.url)
+
+        wait_until(up, 60, "llama-server to load its model")
         return self
 
     def stop(self) -> None:

@@ -24,7 +24,8 @@ class Proxy:
 
     def start(self) -> Proxy:
         self._thread.start()
-        self._ready.wait(10)
+        if not self._ready.wait(10):
+            raise AssertionError(f"the proxy to {self.target} was not listening after 10 s")
         return self
 
     def cut(self) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
+import pytest
 from rq import Queue
 
 from genq.keys import Keys
@@ -48,6 +50,7 @@ def test_the_queue_stays_bounded_and_tops_up_as_it_drains(procs, start_sim, conn
     assert not conn.hexists(Keys(namespace).in_source, "bounded")
 
 
+@pytest.mark.timeout(390)  # its waits, the second enqueue and two stops add up to 330 s
 def test_a_killed_bounded_enqueue_resumes_without_duplicates(
     procs, start_sim, conn, namespace, out, tmp_path
 ):
@@ -57,10 +60,19 @@ def test_a_killed_bounded_enqueue_resumes_without_duplicates(
     queue = Queue(Keys(namespace).queue_name("resume"), connection=conn, serializer="json")
     # No worker yet: the enqueue fills the queue to its bound and waits.
     first = procs.start("enqueue", data, "--max-new-tokens", "64", "--max-queued", "20")
-    wait_until(lambda: conn.llen(queue.key) == 20, 30, "the queue to reach its bound")
-    time.sleep(0.5)
+    wait_until(lambda: conn.llen(queue.key) >= 20, 30, "the queue to reach its bound")
+    # While it waits for room the enqueue looks at the queue every 50 ms and marks itself alive
+    # after each look: overwrite the mark, and its return proves the enqueue looked again since,
+    # found no room, and pushed nothing.
+    alive = Keys(namespace).enqueuing("resume")
+    conn.set(alive, "overwritten by the test")
+    wait_until(
+        lambda: conn.get(alive) == f"{socket.gethostname()}:{first.pid}".encode(),
+        30,
+        "the enqueue to look again",
+    )
     assert first.poll() is None, "the enqueue waits for room"
-    assert conn.llen(queue.key) == 20
+    assert conn.llen(queue.key) == 20, f"the enqueue pushed past its bound: {conn.llen(queue.key)} queued"
     counts = _counts(conn, namespace, "resume", settled=True)
     assert (counts["total"], counts["queued"]) == (200, 200), counts
     sigkill(first)

@@ -20,7 +20,7 @@ from genq import status as status_mod
 from genq.embedded import EmbeddedRedis
 from genq.keys import Keys
 from sim.model import generate, render_chat
-from tests.helpers import Procs, log_of, read_jsonl, sigkill, sim_stats, stop, wait_until
+from tests.helpers import Procs, log_of, read_jsonl, sigkill, sim_stats, stop, wait_until, write_jsonl
 
 TOO_LONG_EVERY = 50  # 2 % of the prompts cannot fit the context
 CONTEXT = 1024
@@ -30,6 +30,22 @@ WORDS = ("sea", "sky", "wind", "rain", "stone", "tree", "road", "fire", "song", 
 # backend -> (the simulator's API, prompts): SGLang's full run, and a shorter one for each other
 # engine API (the same faults and kills; their error paths differ, not the bookkeeping).
 BACKENDS = {"sglang": ("sglang", 3000), "vllm": ("vllm", 1500), "openai-chat": ("openai-chat", 1500)}
+# The simulator's names of the faults injected below (--fail-500, -reset, -abort, -truncate, -hang).
+FAULTS = ("error_500", "reset", "abort", "truncate", "hang")
+
+# Wait budgets, in seconds. RUN_S is shared by every wait for progress of the run (a minute for
+# SGLang's 3,000 prompts on two busy cores); the rest bound one step each.
+RUN_S = 480
+STEPS_S = sum(
+    (
+        120,  # the enqueue
+        2 * 20,  # Redis started twice
+        30,  # the workers find Redis gone
+        5 * 10 + 30,  # five SIGKILLs and a SIGTERM
+        4 * 60,  # the workers and the collector stopped at the end
+        10 + 120,  # the simulator's counters, `genq status`
+    )
+)
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -46,6 +62,7 @@ def _text(ids: list[int]) -> str:
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(RUN_S + STEPS_S + 60)
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_chaos(procs: Procs, start_sim, tmp_path, namespace, report, backend):
     api, N = BACKENDS[backend]
@@ -81,10 +98,10 @@ def test_chaos(procs: Procs, start_sim, tmp_path, namespace, report, backend):
     data = tmp_path / "chaos.jsonl"
     if backend == "openai-chat":  # conversations the server renders; prompt ids are its own
         texts = [_text(p) for p in prompts]
-        data.write_bytes(b"".join(orjson.dumps({"prompt": t}) + b"\n" for t in texts))
+        write_jsonl(data, [{"prompt": t} for t in texts])
         prompts = [render_chat([{"role": "user", "content": t}]) for t in texts]
     else:
-        data.write_bytes(b"".join(orjson.dumps({"input_ids": p}) + b"\n" for p in prompts))
+        write_jsonl(data, [{"input_ids": p} for p in prompts])
     worker_args = (
         "worker",
         "--server",
@@ -104,58 +121,83 @@ def test_chaos(procs: Procs, start_sim, tmp_path, namespace, report, backend):
     )
     conn = redis.Redis.from_url(url)
     keys = Keys(namespace)
+    deadline = time.monotonic() + RUN_S
 
-    def done() -> int:
+    def counts() -> dict | None:
         try:
-            c = status_mod.dataset_counts(conn, keys).get("chaos")
+            return status_mod.dataset_counts(conn, keys).get("chaos")
         except redis.ConnectionError:
-            return 0
-        return c["done"] + c["failed"] if c else 0
+            return None
+
+    def at(fraction: float) -> None:
+        """Wait, within the run's budget, until ``fraction`` of the jobs are on disk."""
+        wait_until(
+            lambda: (c := counts()) and c["done"] + c["failed"] >= fraction * N,
+            max(deadline - time.monotonic(), 0),
+            f"{fraction:.0%} on disk (all such waits share {RUN_S} s)",
+            interval=0.2,
+        )
+
+    def kill_point(fraction: float) -> None:
+        """``at(fraction)``, and the kill that follows lands mid-run: jobs in flight, jobs left."""
+        at(fraction)
+        c = counts()
+        assert c and c["in_flight"] > 0 and c["done"] + c["failed"] < N, (
+            f"at {fraction:.0%}: no work in progress for the kill to interrupt: {c}"
+        )
+
+    def outages_seen() -> int:
+        return sum(log_of(w).count("Redis unreachable") for w in workers)
 
     try:
         enqueue = procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--backend", backend, env=env)
         assert enqueue.returncode == 0, enqueue.stderr
         collector = procs.start("collect", "--out", out, env=env)
         workers = [procs.start(*worker_args, env=env) for _ in range(3)]
-
-        def at(fraction: float) -> None:
-            wait_until(lambda: done() >= fraction * N, 240, f"{fraction:.0%} on disk", interval=0.2)
-
-        at(0.10)
+        kill_point(0.10)
         sigkill(workers[0])
         workers[0] = procs.start(*worker_args, env=env)
-        at(0.20)
+        kill_point(0.20)
         sigkill(collector)
         collector = procs.start("collect", "--out", out, env=env)
-        at(0.30)
+        kill_point(0.30)
+        seen = outages_seen()
         server.proc.kill()  # Redis dies hard; AOF brings it back
         server.proc.wait()
-        time.sleep(1)
+        wait_until(lambda: outages_seen() > seen, 30, "the workers to find Redis gone")
         server = EmbeddedRedis(tmp_path / "redis", port=server.port)
         server.start()
-        at(0.45)
+        kill_point(0.45)
         assert stop(workers[1], timeout=30) == 0, log_of(workers[1])  # SIGTERM: drains
         workers[1] = procs.start(*worker_args, env=env)
-        at(0.60)
+        kill_point(0.60)
         sigkill(collector)
         collector = procs.start("collect", "--out", out, env=env)
-        at(0.70)
+        kill_point(0.70)
         sigkill(workers[2])
         workers[2] = procs.start(*worker_args, env=env)
         at(1.0)
         for w in workers:
             assert stop(w, timeout=60) == 0, log_of(w)
         assert stop(collector, timeout=60) == 0, log_of(collector)
-    finally:
         server_stats = sim_stats(sim)
         final_status = procs.run("status", "--json", env=env)
+    finally:
         server.stop()
+
+    records = read_jsonl(out / "chaos" / "raw_responses.jsonl")
+    errors = read_jsonl(out / "chaos" / "errors.jsonl")
+    retried = sum(1 for r in records if r["attempts"] > 1)
+    # The scenario happened: the server injected every kind of fault, and records needed retries.
+    fired = server_stats["faults"]
+    assert all(fired[kind] > 0 for kind in FAULTS), (
+        f"faults injected by the server: {fired}; expected {FAULTS}"
+    )
+    assert retried > 0, "no record needed a retry: the faults reached no job"
 
     # Invariants, on the files on disk.
     too_long = {row for row, p in enumerate(prompts) if len(p) >= CONTEXT}
     assert len(too_long) == N // TOO_LONG_EVERY
-    records = read_jsonl(out / "chaos" / "raw_responses.jsonl")
-    errors = read_jsonl(out / "chaos" / "errors.jsonl")
     assert {e["row"] for e in errors} == too_long, "only the too-long prompts failed"
     assert all(e["error"] == "bad_request" and "context length" in e["message"] for e in errors)
     assert len(errors) == len({e["id"] for e in errors})
@@ -179,8 +221,8 @@ def test_chaos(procs: Procs, start_sim, tmp_path, namespace, report, backend):
         f"chaos ({backend}): {N} prompts, {len(records)} records, {len(errors)} errors; the simulator "
         f"finished {stats['generations']} generations: {wasted} ({wasted / len(records):.1%}) did not become "
         f"the record; {wasted_tokens} of {stats['tokens_generated']} decode tokens "
-        f"({wasted_tokens / stats['tokens_generated']:.1%}) wasted; records that needed a retry: "
-        f"{sum(1 for r in records if r['attempts'] > 1)}"
+        f"({wasted_tokens / stats['tokens_generated']:.1%}) wasted; records that needed a retry: {retried}; "
+        f"faults injected: {', '.join(f'{kind} {fired[kind]}' for kind in FAULTS)}"
     )
 
 

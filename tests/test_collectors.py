@@ -3,17 +3,20 @@ over a dataset whose collector died, and a stream left by an older release is dr
 
 from __future__ import annotations
 
+import re
+
 import orjson
+import pytest
 
 from tests.helpers import (
     check_records,
     log_of,
-    read_jsonl,
     sigkill,
     status_json,
     stop,
     wait_until,
     write_prompts,
+    written_lines,
 )
 
 PARAMS = {"max_new_tokens": 300}
@@ -25,6 +28,8 @@ def _lease_of(proc) -> str:
     return line.split("collector ", 1)[1].split(": draining", 1)[0]
 
 
+@pytest.mark.timeout(660)  # its waits and stops add up to 600 s
+@pytest.mark.slow
 def test_datasets_drain_through_their_own_collectors_and_a_standby_takes_over(
     procs, start_sim, out, tmp_path
 ):
@@ -37,8 +42,10 @@ def test_datasets_drain_through_their_own_collectors_and_a_standby_takes_over(
     first = procs.start("collect", "--out", out, "--dataset", "a", "--dataset", "b")
     second = procs.start("collect", "--out", out, "--dataset", "c")
     holders = lambda: status_json(procs)["stream"]["collectors"]  # noqa: E731
-    wait_until(lambda: all(holders().values()), 30, "a collector for each dataset")
-    wait_until(lambda: ": draining " in log_of(first) + log_of(second), 30, "the collectors' start")
+    wait_until(
+        lambda: set(holders()) == set(names) and all(holders().values()), 30, "a collector for each dataset"
+    )
+    wait_until(lambda: all(": draining " in log_of(c) for c in (first, second)), 30, "the collectors' start")
     ids = {"first": _lease_of(first), "second": _lease_of(second)}
     assert holders() == {"a": ids["first"], "b": ids["first"], "c": ids["second"]}
     standby = procs.start("collect", "--out", out)  # every dataset, all held: it waits
@@ -48,6 +55,8 @@ def test_datasets_drain_through_their_own_collectors_and_a_standby_takes_over(
     c_raw = out / "c" / "raw_responses.jsonl"
     wait_until(lambda: c_raw.exists() and c_raw.stat().st_size > 0, 60, "records of c on disk")
     sigkill(second)  # a dead holder on this host: the standby takes its dataset at once
+    left = 300 - len(written_lines(c_raw))
+    assert left > 0, "the holder of c died after writing all of c: nothing was left to take over"
     wait_until(lambda: holders()["c"] == _lease_of(standby), 30, "the standby to hold c")
     assert holders()["a"] == holders()["b"] == ids["first"], "the live collector keeps its datasets"
 
@@ -58,6 +67,8 @@ def test_datasets_drain_through_their_own_collectors_and_a_standby_takes_over(
     for name in names:
         check_records(out, name, prompts[name], PARAMS)
     assert "holds dataset c" in log_of(standby)
+    written = re.search(r"stopped \((\d+) written", log_of(standby))
+    assert written and int(written.group(1)) >= left, f"the standby wrote the {left} records of c left"
     assert "holds dataset a" not in log_of(standby) and "holds dataset b" not in log_of(standby)
     assert "holds dataset c" not in log_of(first)
 
@@ -81,13 +92,15 @@ def test_the_stream_of_an_older_release_is_drained(procs, start_sim, out, tmp_pa
             pipe.xadd(keys.legacy_results, fields)
         pipe.delete(keys.results("old"))
         pipe.execute()
-    # One of them twice: a replay dropped as a duplicate.
+    # One of them twice: a replay dropped as a duplicate. (Whichever came first: 60 jobs in flight
+    # at once finish in any order.)
+    replayed = orjson.loads(entries[0][1][b"data"])["id"]
     conn.xadd(keys.legacy_results, entries[0][1])
     conn.hincrby(keys.in_stream, "old", 1)
     assert status_json(procs)["stream"]["length"] == 61
     collector = procs.start("collect", "--out", out, "--burst")
     assert collector.wait(60) == 0, log_of(collector)
-    check_records(out, "old", prompts, PARAMS)
+    assert "(60 written, 1 duplicates dropped)" in log_of(collector), log_of(collector)
+    records = check_records(out, "old", prompts, PARAMS)  # each id once, the replayed one too
+    assert [r["id"] for r in records].count(replayed) == 1
     assert conn.xlen(keys.legacy_results) == 0 and status_json(procs)["stream"]["length"] == 0
-    assert len(read_jsonl(out / "old" / "raw_responses.jsonl")) == 60
-    assert orjson.loads(entries[0][1][b"data"])["id"] == "old-0"

@@ -8,11 +8,13 @@ earlier answers; and each turn's output is what the simulator gives that prompt.
 from __future__ import annotations
 
 import orjson
+import pytest
 from transformers import AutoTokenizer
 
 from genq.conversation import answer_message, turn_prompt
+from genq.keys import Keys
 from sim.model import generate
-from tests.helpers import log_of, read_jsonl, sigkill, sim_stats, status_json, wait_until
+from tests.helpers import log_of, read_jsonl, sigkill, sim_stats, status_json, wait_until, write_jsonl
 
 PARAMS = {"max_new_tokens": 40}
 ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
@@ -68,8 +70,7 @@ def test_every_user_turn_is_answered_with_the_models_own_earlier_answers(
 ):
     url = start_sim()
     rows = sharegpt_rows(40)
-    data = tmp_path / "conv.jsonl"
-    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    data = write_jsonl(tmp_path / "conv.jsonl", rows)
     res = procs.run("enqueue", data, "--tokenizer", tokenizer_dir, "--turns", "all", "--max-new-tokens", "40")
     assert res.returncode == 0, res.stderr
     worker = procs.start("worker", "--server", url, "--burst")
@@ -93,7 +94,9 @@ def test_every_user_turn_is_answered_with_the_models_own_earlier_answers(
     assert "a conversation: eagle3 renders it whole with --tokenizer" in res.stderr
     res = procs.run("export", out, "--format", "eagle3", "--include-truncated", "--tokenizer", tokenizer_dir)
     assert res.returncode == 0 and "rendered 40 records" in res.stdout, res.stdout + res.stderr
-    for row in read_jsonl(out / "conv" / "tokenized_data.jsonl"):
+    tokenized = read_jsonl(out / "conv" / "tokenized_data.jsonl")
+    assert sorted(row["id"] for row in tokenized) == sorted(exported) and len(tokenized) == len(rows)
+    for row in tokenized:
         conversation = exported[row["id"]]
         whole = tok.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"]
         assert row["input_ids"] == list(whole)
@@ -120,15 +123,15 @@ def test_every_user_turn_is_answered_with_the_models_own_earlier_answers(
         assert len(marked) == answer_tokens
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_conversation_goes_on_from_the_first_unfinished_turn(
-    procs, start_sim, out, tmp_path, tokenizer_dir, report
+    procs, start_sim, out, tmp_path, tokenizer_dir, report, conn, namespace
 ):
     """Finished turns are kept in Redis: a conversation whose worker dies restarts at its first
     unfinished turn on another worker. What the kill costs: the turns in flight, counted."""
     url = start_sim("--latency", "realistic", "--decode-step-ms", "4", "--min-len", "40", "--max-len", "120")
     rows = sharegpt_rows(60, turns_of=lambda i: 4)
-    data = tmp_path / "killed.jsonl"
-    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    data = write_jsonl(tmp_path / "killed.jsonl", rows)
     assert (
         procs.run(
             "enqueue", data, "--tokenizer", tokenizer_dir, "--turns", "all", "--max-new-tokens", "150"
@@ -138,6 +141,12 @@ def test_a_worker_killed_mid_conversation_goes_on_from_the_first_unfinished_turn
     victim = procs.start("worker", "--server", url, "--concurrency", "20", "--heartbeat-ttl", "5")
     wait_until(lambda: sim_stats(url)["generations"] >= 50, 60, "conversations half way")
     sigkill(victim)
+    # The kill came mid-conversation: more turns were generated than the finished conversations hold.
+    finished = conn.xlen(Keys(namespace).results("killed"))
+    turns = sim_stats(url)["generations"] - 1  # less the victim's start-up probe
+    assert finished < len(rows) and turns > 4 * finished, (
+        f"{turns} turns generated and {finished} conversations finished at the kill"
+    )
     worker = procs.start("worker", "--server", url, "--burst", "--concurrency", "20", "--heartbeat-ttl", "5")
     assert worker.wait(180) == 0, log_of(worker)
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
@@ -168,8 +177,7 @@ def test_a_turn_that_fails_for_good_fails_the_job_naming_the_turn(
             ],
         },
     ]
-    data = tmp_path / "fails.jsonl"
-    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    data = write_jsonl(tmp_path / "fails.jsonl", rows)
     res = procs.run(
         "enqueue", data, "--tokenizer", tokenizer_dir, "--turns", "all", "--max-new-tokens", "100"
     )
@@ -186,8 +194,7 @@ def test_a_turn_that_fails_for_good_fails_the_job_naming_the_turn(
 def test_a_chat_endpoint_renders_each_turn_itself(procs, start_sim, out, tmp_path):
     url = start_sim("--api", "openai-chat")
     rows = sharegpt_rows(12)
-    data = tmp_path / "chats.jsonl"
-    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    data = write_jsonl(tmp_path / "chats.jsonl", rows)
     res = procs.run("enqueue", data, "--server", url, "--turns", "all", "--max-new-tokens", "40")
     assert res.returncode == 0, res.stderr
     worker = procs.start("worker", "--server", url, "--burst")
@@ -195,8 +202,13 @@ def test_a_chat_endpoint_renders_each_turn_itself(procs, start_sim, out, tmp_pat
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
     from sim.model import render_chat
 
-    for r in read_jsonl(out / "chats" / "raw_responses.jsonl"):
+    records = read_jsonl(out / "chats" / "raw_responses.jsonl")
+    assert sorted(r["row"] for r in records) == list(range(len(rows)))
+    for r in records:
         source = [{"role": ROLES[t["from"]], "content": t["value"]} for t in rows[r["row"]]["conversations"]]
+        assert len(r["turns"]) == sum(1 for m in source if m["role"] == "user"), (
+            f"{r['id']}: a turn per question"
+        )
         answers: list[dict] = []
         for k, turn in enumerate(r["turns"]):
             gen = generate(render_chat(turn_prompt(source, answers, k)), PARAMS)
@@ -205,8 +217,7 @@ def test_a_chat_endpoint_renders_each_turn_itself(procs, start_sim, out, tmp_pat
 
 
 def test_every_sampling_knob_is_checked_and_kept(procs, start_sim, out, tmp_path):
-    data = tmp_path / "knobs.jsonl"
-    data.write_bytes(b"".join(orjson.dumps({"input_ids": [100 + i, 200]}) + b"\n" for i in range(20)))
+    data = write_jsonl(tmp_path / "knobs.jsonl", ({"input_ids": [100 + i, 200]} for i in range(20)))
     res = procs.run("enqueue", data, "--sampling-params", '{"temprature": 0.5}')
     assert res.returncode == 2 and "unknown sampling key 'temprature'" in res.stderr
     assert "did you mean 'temperature'?" in res.stderr

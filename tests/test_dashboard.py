@@ -21,6 +21,7 @@ from tests.helpers import (
     read_jsonl,
     status_json,
     wait_until,
+    write_jsonl,
     write_prompts,
 )
 
@@ -87,22 +88,19 @@ def test_dashboard_in_chromium_during_a_run(procs, start_sim, out, tmp_path, con
     assert worker["current_job"]["job_id"].startswith(f"{namespace}--dash-"), "a busy worker, read as JSON"
 
     before = conn.llen(f"rq:queue:{queue}")
+    assert 0 < before < 40, f"{before} queued: the page must show the queue while workers take from it"
     dom = dump_dom(base + "/", tmp_path / "chromium")
     after = conn.llen(f"rq:queue:{queue}")
     row = re.search(rf"<td>{re.escape(queue)}</td>\s*<td[^>]*>\s*<a [^>]*>(\d+)</a>", dom)
     assert row, dom[-3000:]
     assert after <= int(row.group(1)) <= before, (row.group(1), before, after)
-    assert before < 40, "the page shows the queue while workers take from it"
 
 
 def test_dashboard_requeue_is_genq_retry_and_delete_is_off(
     procs, start_sim, out, tmp_path, redis_url, namespace
 ):
     url = start_sim("--context-length", "256")
-    data = tmp_path / "rq.jsonl"
-    data.write_bytes(
-        orjson.dumps({"input_ids": [101] * 10}) + b"\n" + orjson.dumps({"input_ids": [101] * 200}) + b"\n"
-    )
+    data = write_jsonl(tmp_path / "rq.jsonl", [{"input_ids": [101] * 10}, {"input_ids": [101] * 200}])
     assert procs.run("enqueue", data, "--max-new-tokens", "100").returncode == 0
     assert procs.run("worker", "--server", url, "--burst").returncode == 0
     assert procs.run("collect", "--out", out, "--burst").returncode == 0

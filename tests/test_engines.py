@@ -7,11 +7,13 @@ sim/openai_chat.py name the source files).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import orjson
 import pytest
 
 from sim.model import generate, render_chat
-from tests.dataset_helpers import build_tokenizer
 from tests.helpers import (
     check_records,
     log_of,
@@ -19,11 +21,22 @@ from tests.helpers import (
     sim_stats,
     status_json,
     stop,
+    wait_all,
     wait_until,
+    write_jsonl,
     write_prompts,
 )
 
 FAULTS = ("--fail-500", "0.05", "--fail-503", "0.05", "--fail-reset", "0.02", "--fail-abort", "0.02")
+FAULT_KINDS = ("error_500", "error_503", "reset", "abort")  # the simulator's names for FAULTS' kinds
+
+
+def assert_faults_fired(url: str, records: list[dict], kinds: tuple[str, ...]) -> None:
+    """The scenario happened: the server injected each fault kind, and records needed retries."""
+    fired = sim_stats(url)["faults"]
+    assert all(fired[k] > 0 for k in kinds), f"faults injected by the server: {fired}; expected {kinds}"
+    assert records, "no records"
+    assert any(r["attempts"] > 1 for r in records), "no record needed a retry: the faults reached no job"
 
 
 @pytest.mark.parametrize(("backend", "api"), [("sglang", "sglang"), ("vllm", "vllm"), ("auto", "vllm")])
@@ -36,15 +49,19 @@ def test_token_backends_give_the_servers_ids_exactly_once(procs, start_sim, out,
         procs.start("worker", "--server", url, "--backend", backend, "--burst", "--max-attempts", "10")
         for _ in range(2)
     ]
-    wait = [w.wait(180) for w in workers]
-    assert wait == [0, 0], [log_of(w) for w in workers]
-    if backend == "auto":
-        assert f"({api} detected" in log_of(workers[0])
+    assert wait_all(workers, 180) == [0, 0], [log_of(w) for w in workers]
+    # The backend it was told, or the one it detected, serves: "(vllm detected 0.33.0, model ...".
+    served = f"({api} detected " if backend == "auto" else f"({api} "
+    assert all(served in log_of(w) for w in workers), [log_of(w) for w in workers]
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    assert_faults_fired(url, read_jsonl(out / "tok" / "raw_responses.jsonl"), FAULT_KINDS)
     records = check_records(out, "tok", prompts, {"max_new_tokens": 120})
     assert {r["backend"] for r in records} == {api}
     assert "token_exact" not in records[0], "token-exact records carry no flag"
-    assert all(r["cached_tokens"] is None for r in records) or api == "sglang", "null unless the server says"
+    # SGLang always says how many prompt tokens its cache held; vLLM only with
+    # --enable-prompt-tokens-details (not set here): null, never a made-up 0.
+    cached = int if api == "sglang" else type(None)
+    assert all(isinstance(r["cached_tokens"], cached) for r in records), {r["cached_tokens"] for r in records}
     assert not read_jsonl(out / "tok" / "errors.jsonl")
     # The training data: prompt ids + the server's output ids, loss on the output only.
     assert procs.run("export", out, "--format", "eagle3", "--include-truncated").returncode == 0
@@ -84,8 +101,7 @@ def test_a_vllm_without_return_token_ids_is_refused_pointing_to_openai_chat(proc
 
 def test_vllm_context_checks_at_enqueue_and_cached_tokens_when_told(procs, start_sim, out, tmp_path):
     url = start_sim("--api", "vllm", "--context-length", "512", "--prompt-tokens-details")
-    data = tmp_path / "ctx.jsonl"
-    data.write_bytes(b"".join(orjson.dumps({"input_ids": [101] * n}) + b"\n" for n in (100, 400, 10)))
+    data = write_jsonl(tmp_path / "ctx.jsonl", [{"input_ids": [101] * n} for n in (100, 400, 10)])
     res = procs.run("enqueue", data, "--max-new-tokens", "200", "--server", url)
     assert res.returncode == 0, res.stderr
     assert "enqueued 2, skipped 0, rejected 1" in res.stdout
@@ -130,8 +146,7 @@ def test_a_chat_endpoint_gets_conversations_without_a_tokenizer(procs, start_sim
     url = start_sim("--api", api, "--reasoning-parser", "--context-length", "60", *FAULTS[:4])
     rows = _chat_rows(60)
     rows.append({"id": "long", "conversations": [{"from": "human", "value": "word " * 80}]})
-    data = tmp_path / "chat.jsonl"
-    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
     # A hosted endpoint is detected as one; vLLM's chat is asked for by name (auto picks /v1/completions).
     backend = ("--backend", "openai-chat") if api == "vllm" else ()
     res = procs.run(
@@ -140,9 +155,11 @@ def test_a_chat_endpoint_gets_conversations_without_a_tokenizer(procs, start_sim
     assert res.returncode == 0, res.stderr
     worker = procs.start("worker", "--server", url, *backend, "--burst", "--max-attempts", "10")
     assert worker.wait(120) == 0, log_of(worker)
-    assert "openai-chat detected" in log_of(worker) or api == "vllm"
+    # The hosted endpoint's chat API is detected; vLLM's is the one asked for by name.
+    assert ("(openai-chat detected " if api == "openai-chat" else "(openai-chat vllm") in log_of(worker)
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
     records = read_jsonl(out / "chat" / "raw_responses.jsonl")
+    assert_faults_fired(url, records, FAULT_KINDS[:2])
     assert sorted(r["row"] for r in records) == list(range(60))
     for r in records:
         expected = generate(_expected_prompt(rows[r["row"]]), {"max_new_tokens": 30, "temperature": 0.7})
@@ -160,23 +177,27 @@ def test_a_chat_endpoint_gets_conversations_without_a_tokenizer(procs, start_sim
     assert sim_stats(url)["rejected"] == 1
 
 
-def test_a_chat_run_resumes_and_eagle3_needs_a_tokenizer_for_text_records(tmp_path, monkeypatch):
+@pytest.mark.timeout(2 * 180 + 60 + 120 + 60)  # its runs' and exports' budgets, and a minute
+def test_a_chat_run_resumes_and_eagle3_needs_a_tokenizer_for_text_records(
+    tmp_path, monkeypatch, tokenizer_dir
+):
     """`genq run --backend openai-chat --simulate` twice: the second finds everything on disk. Text
     records cannot become EAGLE-3 data without ids: export says so and counts them."""
-    import subprocess
-    import sys
-
-    data = tmp_path / "talk.jsonl"
-    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in _chat_rows(30)))
+    data = write_jsonl(tmp_path / "talk.jsonl", _chat_rows(30))
     out = tmp_path / "out"
+    raw = out / "talk" / "raw_responses.jsonl"
     argv = [sys.executable, "-m", "genq", "run", str(data), "--out", str(out), "--simulate"]
     argv += ["--backend", "openai-chat", "--sim-latency", "zero", "--max-new-tokens", "600"]
     monkeypatch.delenv("GENQ_REDIS_URL", raising=False)
-    for _ in range(2):
+    written = []
+    for enqueued, skipped in ((30, 0), (0, 30)):
         res = subprocess.run(argv, capture_output=True, text=True, timeout=180)
         assert res.returncode == 0, res.stderr
+        assert f"talk: read 30, enqueued {enqueued}, skipped {skipped}, rejected 0" in res.stdout, res.stdout
         assert "talk: 30 done, 0 failed of 30" in res.stdout
-    assert len(read_jsonl(out / "talk" / "raw_responses.jsonl")) == 30
+        written.append(raw.read_bytes())
+    assert written[1] == written[0], "the second run wrote nothing: it found every record on disk"
+    assert len(read_jsonl(raw)) == 30
     export = subprocess.run(
         [sys.executable, "-m", "genq", "export", str(out), "--format", "eagle3"],
         capture_output=True,
@@ -186,7 +207,6 @@ def test_a_chat_run_resumes_and_eagle3_needs_a_tokenizer_for_text_records(tmp_pa
     assert export.returncode == 0, export.stderr
     assert "talk: wrote 0" in export.stdout
     assert "talk: left out 30: no output_ids" in export.stderr and "--tokenizer" in export.stderr
-    tokenizer = build_tokenizer(tmp_path / "tok")
     rendered = subprocess.run(
         [
             sys.executable,
@@ -197,7 +217,7 @@ def test_a_chat_run_resumes_and_eagle3_needs_a_tokenizer_for_text_records(tmp_pa
             "--format",
             "eagle3",
             "--tokenizer",
-            str(tokenizer),
+            str(tokenizer_dir),
         ],
         capture_output=True,
         text=True,
@@ -206,4 +226,5 @@ def test_a_chat_run_resumes_and_eagle3_needs_a_tokenizer_for_text_records(tmp_pa
     assert rendered.returncode == 0, rendered.stderr
     assert "talk: wrote 30" in rendered.stdout and "rendered 30 records" in rendered.stdout
     rows = read_jsonl(out / "talk" / "tokenized_data.jsonl")
+    assert len(rows) == 30
     assert all(len(r["input_ids"]) == len(r["loss_mask"]) and 1 in r["loss_mask"] for r in rows)

@@ -6,7 +6,7 @@ import orjson
 from rq import Queue
 
 from genq.keys import Keys
-from tests.helpers import write_prompts
+from tests.helpers import write_jsonl, write_prompts
 
 
 def test_enqueue_twice_enqueues_nothing_new(procs, conn, namespace, tmp_path):
@@ -37,17 +37,17 @@ def test_appended_rows_are_enqueued_on_the_next_run(procs, conn, namespace, tmp_
 
 def test_bad_rows_are_named_and_good_rows_go_through(procs, conn, namespace, tmp_path):
     data = tmp_path / "mixed.jsonl"
-    lines = [
-        b'{"input_ids": [101, 102]}',
-        b"{not json",
-        b'{"prompt": ""}',
-        b'{"input_ids": [1, "x"]}',
-        b'{"text": "wrong field"}',
-        b"",
-        b'{"prompt": "hello world", "id": 7}',
-        b"[1, 2]",
+    rows = [
+        {"input_ids": [101, 102]},
+        "{not json",
+        {"prompt": ""},
+        {"input_ids": [1, "x"]},
+        {"text": "wrong field"},
+        "",
+        {"prompt": "hello world", "id": 7},
+        [1, 2],
     ]
-    data.write_bytes(b"\n".join(lines) + b"\n")
+    write_jsonl(data, rows)
     res = procs.run("enqueue", data)
     assert res.returncode == 0, res.stderr
     assert "read 7, enqueued 2, skipped 0, rejected 5" in res.stdout
@@ -88,7 +88,7 @@ def test_other_settings_for_an_existing_dataset_are_refused(procs, tmp_path):
     assert res.returncode != 0 and "would reuse their ids" in res.stderr
 
 
-def test_enqueue_script_and_env_settings(procs, tmp_path, redis_url, namespace):
+def test_enqueue_script_and_env_settings(procs, conn, tmp_path, namespace):
     """`enqueue` is the same command; GENQ_* variables set the flags."""
     import subprocess
     import sys
@@ -104,3 +104,8 @@ def test_enqueue_script_and_env_settings(procs, tmp_path, redis_url, namespace):
     )
     assert res.returncode == 0, res.stderr
     assert "enqueued 3" in res.stdout
+    queue = Queue(Keys(namespace).queue_name("viaenv"), connection=conn, serializer="json")
+    jobs = [queue.fetch_job(Keys(namespace).job_id(f"viaenv-{row}")) for row in range(3)]
+    assert [job.kwargs["sampling_params"] for job in jobs] == [{"max_new_tokens": 33}] * 3, (
+        "GENQ_MAX_NEW_TOKENS did not reach the jobs"
+    )

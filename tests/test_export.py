@@ -9,7 +9,7 @@ import orjson
 
 from sim.model import generate, tokenize
 from tests.dataset_helpers import run_pipeline
-from tests.helpers import read_jsonl
+from tests.helpers import read_jsonl, write_jsonl
 
 MAX_NEW = 300  # the simulator's outputs run 16-512 tokens: some finish, some are cut
 
@@ -35,8 +35,7 @@ def test_eagle3_sharegpt_and_messages_exports_of_a_finished_run(
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     url = start_sim("--latency", "zero")
-    data = tmp_path / "blend.jsonl"
-    data.write_bytes(b"".join(orjson.dumps({"conversations": _conversation(k)}) + b"\n" for k in range(8)))
+    data = write_jsonl(tmp_path / "blend.jsonl", ({"conversations": _conversation(k)} for k in range(8)))
     records = run_pipeline(
         procs,
         url,
@@ -63,7 +62,9 @@ def test_eagle3_sharegpt_and_messages_exports_of_a_finished_run(
     res = procs.run("export", out, "--format", "eagle3", "--include-truncated")
     assert res.returncode == 0, res.stderr
     assert f"blend: wrote 8 to {out / 'blend' / 'tokenized_data.jsonl'}" in res.stdout
-    for row in read_jsonl(out / "blend" / "tokenized_data.jsonl"):
+    tokenized = read_jsonl(out / "blend" / "tokenized_data.jsonl")
+    assert sorted(row["id"] for row in tokenized) == sorted(expected)
+    for row in tokenized:
         _, ids, gen = expected[row["id"]]
         assert row["input_ids"] == ids + gen.output_ids
         assert row["loss_mask"] == [0] * len(ids) + [1] * len(gen.output_ids)
@@ -84,7 +85,9 @@ def test_eagle3_sharegpt_and_messages_exports_of_a_finished_run(
 
     res = procs.run("export", out, "--format", "messages", "--dataset", "blend")
     assert res.returncode == 0, res.stderr
-    for row in read_jsonl(out / "blend" / "messages.jsonl"):
+    messages = read_jsonl(out / "blend" / "messages.jsonl")
+    assert {row["id"] for row in messages} == finished, "the finished ones: truncated ones are left out"
+    for row in messages:
         prompt, _, gen = expected[row["id"]]
         assert row["messages"] == [*prompt, {"role": "assistant", "content": gen.text}]
     assert _digest(raw) == before, "exports never change what the collector wrote"
@@ -97,8 +100,7 @@ def test_reasoning_content_and_the_older_shapes_on_disk(procs, start_sim, out, t
     gen = generate(tokenize(prompt), {"max_new_tokens": 600})
     words = gen.text.split()
     k = next(i for i in range(3, len(words)) if gen.text.find(words[i]) == len(" ".join(words[:i])) + 1)
-    data = tmp_path / "think.jsonl"
-    data.write_bytes(orjson.dumps({"prompt": prompt}) + b"\n")
+    data = write_jsonl(tmp_path / "think.jsonl", [{"prompt": prompt}])
     run_pipeline(procs, url, out, "think", str(data), "--max-new-tokens", "600", "--think-end", words[k])
     res = procs.run("export", out, "--format", "messages", "--dataset", "think", "--reasoning-content")
     assert res.returncode == 0, res.stderr

@@ -16,11 +16,13 @@ import time
 from pathlib import Path
 
 import orjson
+import pytest
 import redis
 
 from genq.embedded import EmbeddedRedis, free_port, redis_binary
 from tests.helpers import check_records, log_of, read_jsonl, snapshot, status_json, wait_until, write_prompts
 
+pytestmark = pytest.mark.slow  # Redis snapshots, Sentinel failovers: each test runs a minute or more
 PARAMS = {"max_new_tokens": 100}
 MASTER = "genq"
 
@@ -40,6 +42,7 @@ def test_verify_reports_a_duplicated_line_and_a_missing_one(procs, start_sim, ou
     assert procs.run("enqueue", data, "--max-new-tokens", "100").returncode == 0
     assert procs.run("worker", "--server", url, "--burst").returncode == 0
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    check_records(out, "audit", prompts, PARAMS)  # a sound run: what verify finds wrong next is the edit
     code, audit = verify(procs, out, data)
     assert code == 0 and audit["ok"] and (audit["expected"], audit["done"]) == (51, 50)
     assert audit["rejected_at_enqueue"] == 1
@@ -54,9 +57,11 @@ def test_verify_reports_a_duplicated_line_and_a_missing_one(procs, start_sim, ou
     assert audit["put_back"] == f"genq enqueue {data} --dataset audit"
     text = procs.run("verify", "--out", out)
     assert text.returncode == 1 and "MISSING 1" in text.stderr and "DUPLICATED 1" in text.stderr
-    assert len(prompts) == 50
 
 
+# Its waits: 60 + 120 + 30 + 180 + 120 (the enqueue) + 60 + 240 s, commands of up to 3 x 120 s (verify,
+# enqueue), and 3 x 60 s for the roles to stop.
+@pytest.mark.timeout(1500)
 def test_redis_back_in_time_from_an_older_snapshot(procs, start_sim, out, tmp_path):
     """A snapshot taken while enqueue was still running; Redis killed later and restarted from it
     (its AOF gone): part of the dataset's enqueueing is forgotten too. verify says so until the
@@ -192,6 +197,7 @@ def _run_through(procs, start_sim, out, tmp_path, event, report, what: str) -> N
         raw = out / "failover" / "raw_responses.jsonl"
         wait_until(lambda: raw.exists() and len(raw.read_bytes().splitlines()) > 200, 120, "a third on disk")
         lines = len(raw.read_bytes().splitlines())
+        assert lines < 600, "the event comes mid-run"
         started = time.monotonic()
         event(cluster)
         wait_until(lambda: cluster.master_port() == cluster.replica.port, 60, "the Sentinels to fail over")
@@ -215,6 +221,9 @@ def _run_through(procs, start_sim, out, tmp_path, event, report, what: str) -> N
     assert not read_jsonl(out / "failover" / "errors.jsonl")
 
 
+# _run_through's waits: 30 + 30 (the Sentinels) + 120 + 60 + 120 + 240 s, the event's (up to 120 s), the
+# enqueue and verify (2 x 120 s) and 3 x 60 s for the roles to stop.
+@pytest.mark.timeout(1300)
 def test_roles_follow_a_sentinel_failover_when_the_primary_dies(procs, start_sim, out, tmp_path, report):
     def kill(cluster: Sentinels) -> None:
         cluster.primary.proc.kill()  # type: ignore[union-attr]
@@ -222,6 +231,7 @@ def test_roles_follow_a_sentinel_failover_when_the_primary_dies(procs, start_sim
     _run_through(procs, start_sim, out, tmp_path, kill, report, "primary SIGKILLed")
 
 
+@pytest.mark.timeout(1300)  # as above
 def test_a_frozen_primary_that_comes_back_loses_and_repeats_nothing(procs, start_sim, out, tmp_path, report):
     """SIGSTOP long enough for the Sentinels to promote the replica, then SIGCONT: the old primary
     believes it is primary for a moment, a role still connected to it writes there until Sentinel
@@ -231,7 +241,10 @@ def test_a_frozen_primary_that_comes_back_loses_and_repeats_nothing(procs, start
         pid = cluster.primary.proc.pid  # type: ignore[union-attr]
         os.kill(pid, signal.SIGSTOP)
         wait_until(lambda: cluster.master_port() == cluster.replica.port, 60, "the promotion")
-        time.sleep(1)
+        time.sleep(1)  # frozen a moment longer (not a wait for anything): roles may still hold it
         os.kill(pid, signal.SIGCONT)
+        # It came back: it answers, and the Sentinels turn it into a replica of the new primary.
+        old = redis.Redis(port=cluster.primary.port, socket_connect_timeout=1, socket_timeout=5)
+        wait_until(lambda: _quiet(lambda: old.role()[0] == b"slave"), 60, "the old primary to be demoted")
 
     _run_through(procs, start_sim, out, tmp_path, freeze, report, "primary SIGSTOPped, then SIGCONTed")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -16,6 +15,7 @@ from producer import sources
 from producer.formats import Shape
 from producer.readers import Rejected, Row, read_dataset
 from producer.sources import SourceError
+from tests.helpers import write_jsonl
 
 CONVERSATION = [
     {"from": "system", "value": "You are a helpful assistant."},
@@ -36,11 +36,6 @@ def _rows(paths: list[Path], shape: Shape | None = None, split: str | None = Non
     return list(read_dataset(paths, shape or Shape(chat=True), split))
 
 
-def _jsonl(path: Path, rows: list) -> Path:
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    return path
-
-
 def _queued(conn, namespace: str, dataset: str) -> dict[str, dict]:
     keys = Keys(namespace)
     queue = Queue(keys.queue_name(dataset), connection=conn, serializer="json")
@@ -51,7 +46,7 @@ def _queued(conn, namespace: str, dataset: str) -> dict[str, dict]:
 
 
 def test_each_row_format_becomes_its_prompt(tmp_path):
-    data = _jsonl(
+    data = write_jsonl(
         tmp_path / "all.jsonl",
         [
             {
@@ -75,7 +70,7 @@ def test_each_row_format_becomes_its_prompt(tmp_path):
     assert rows[4].prompt.messages == [{"role": "user", "content": "Name a colour."}]
     assert rows[5].prompt.input_ids == [5, 6, 7] and rows[5].prompt.messages is None
     # Without a tokenizer, text prompts are sent as text.
-    text = _jsonl(
+    text = write_jsonl(
         tmp_path / "text.jsonl", [{"prompt": "Tell me a joke."}, {"instruction": "Do.", "input": "it"}]
     )
     plain = _rows([text], Shape())
@@ -84,7 +79,7 @@ def test_each_row_format_becomes_its_prompt(tmp_path):
 
 
 def test_system_prompt_replaces_or_adds_the_system_turn(tmp_path):
-    data = _jsonl(
+    data = write_jsonl(
         tmp_path / "sys.jsonl",
         [{"conversations": CONVERSATION}, {"prompt": "Hello"}, {"system": "Be terse.", "prompt": "Hi"}],
     )
@@ -104,7 +99,7 @@ def test_system_prompt_replaces_or_adds_the_system_turn(tmp_path):
 
 
 def test_field_mapping_reads_other_column_names(tmp_path):
-    data = _jsonl(
+    data = write_jsonl(
         tmp_path / "mapped.jsonl",
         [
             {"uuid": "x1", "dialog": [{"speaker": "user", "text": "hey"}, {"speaker": "bot", "text": "hi"}]},
@@ -128,23 +123,24 @@ def test_field_mapping_reads_other_column_names(tmp_path):
 
 
 def test_bad_rows_are_rejected_with_where_and_why_in_process(tmp_path):
-    data = tmp_path / "bad.jsonl"
-    lines = [
-        json.dumps({"conversations": CONVERSATION}),
-        "{not json",
-        json.dumps({"messages": []}),
-        json.dumps({"messages": [{"role": "assistant", "content": "I start."}]}),
-        json.dumps({"conversations": [{"from": "human", "value": 3}]}),
-        json.dumps({"conversations": [{"from": "alien", "value": "x"}]}),
-        json.dumps({"messages": "hello"}),
-        json.dumps({"messages": [{"role": "user"}]}),
-        json.dumps({"prompt": 42}),
-        json.dumps({"instruction": "Do it.", "input": ["a"]}),
-        json.dumps({"prompt": "ok", "id": [1]}),
-        json.dumps({"title": "no prompt here"}),
-        json.dumps({"messages": [{"role": "user", "content": "last good row"}]}),
-    ]
-    data.write_text("\n".join(lines) + "\n")
+    data = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            {"conversations": CONVERSATION},
+            "{not json",
+            {"messages": []},
+            {"messages": [{"role": "assistant", "content": "I start."}]},
+            {"conversations": [{"from": "human", "value": 3}]},
+            {"conversations": [{"from": "alien", "value": "x"}]},
+            {"messages": "hello"},
+            {"messages": [{"role": "user"}]},
+            {"prompt": 42},
+            {"instruction": "Do it.", "input": ["a"]},
+            {"prompt": "ok", "id": [1]},
+            {"title": "no prompt here"},
+            {"messages": [{"role": "user", "content": "last good row"}]},
+        ],
+    )
     rows = _rows([data])
     reasons = {r.row: str(r) for r in rows if isinstance(r, Rejected)}
     assert [r.row for r in rows if isinstance(r, Row)] == [0, 12]
@@ -168,14 +164,16 @@ def test_bad_rows_are_rejected_with_where_and_why_in_process(tmp_path):
 
 
 def test_explicit_format_rejects_other_shapes(tmp_path):
-    data = _jsonl(tmp_path / "f.jsonl", [{"prompt": "a"}, {"messages": [{"role": "user", "content": "b"}]}])
+    data = write_jsonl(
+        tmp_path / "f.jsonl", [{"prompt": "a"}, {"messages": [{"role": "user", "content": "b"}]}]
+    )
     rows = _rows([data], Shape(format="messages", chat=True))
     assert str(rows[0]) == f"{data}:1: field 'messages': missing (fields present: prompt)"
     assert isinstance(rows[1], Row)
 
 
 def test_conversations_without_a_tokenizer_stop_with_a_clear_error(tmp_path):
-    data = _jsonl(tmp_path / "chat.jsonl", [{"prompt": "fine"}, {"conversations": CONVERSATION}])
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "fine"}, {"conversations": CONVERSATION}])
     reader = read_dataset([data], Shape())
     assert isinstance(next(reader), Row)
     with pytest.raises(
@@ -217,7 +215,7 @@ def test_json_array_broken_mid_way_stops_after_the_rows_before_it(tmp_path):
 
 
 def test_json_file_with_json_lines_inside(tmp_path):
-    data = _jsonl(tmp_path / "lines.json", [{"prompt": "a"}, {"prompt": "b"}])
+    data = write_jsonl(tmp_path / "lines.json", [{"prompt": "a"}, {"prompt": "b"}])
     assert [r.prompt.text for r in _rows([data], Shape())] == ["a", "b"]
 
 
@@ -273,9 +271,8 @@ def test_hugging_face_dataset_saved_to_disk(tmp_path):
 
 
 def test_rows_are_numbered_across_files_whatever_is_wrong(tmp_path):
-    first = tmp_path / "a.jsonl"
-    first.write_text('{"prompt": "one"}\n\n{bad\n{"prompt": "three"}\n')
-    second = _jsonl(tmp_path / "b.jsonl", [{"prompt": "four"}])
+    first = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "one"}, "", "{bad", {"prompt": "three"}])
+    second = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "four"}])
     rows = _rows([first, second], Shape())
     assert [(r.row, type(r).__name__) for r in rows] == [(0, "Row"), (1, "Rejected"), (2, "Row"), (3, "Row")]
     assert rows[3].where == f"{second}:1"
@@ -295,15 +292,16 @@ def test_unknown_files_and_empty_globs_are_refused(tmp_path):
 def test_enqueue_reports_formats_and_rejects_bad_rows_while_the_rest_go_through(
     procs, conn, namespace, tmp_path
 ):
-    data = tmp_path / "mixed.jsonl"
-    lines = [
-        json.dumps({"prompt": "first"}),
-        "{oops",
-        json.dumps({"prompt": ["not", "text"]}),
-        json.dumps({"input_ids": [100, 101]}),
-        json.dumps({"instruction": "Say hi."}),
-    ]
-    data.write_text("\n".join(lines) + "\n")
+    data = write_jsonl(
+        tmp_path / "mixed.jsonl",
+        [
+            {"prompt": "first"},
+            "{oops",
+            {"prompt": ["not", "text"]},
+            {"input_ids": [100, 101]},
+            {"instruction": "Say hi."},
+        ],
+    )
     parquet = tmp_path / "more.parquet"
     pq.write_table(pa.table({"input_ids": [[7, 8], [], [9]]}), parquet)
     res = procs.run("enqueue", data, parquet, "--dataset", "mix", "--max-new-tokens", "16")
@@ -325,7 +323,7 @@ def test_enqueue_reports_formats_and_rejects_bad_rows_while_the_rest_go_through(
 
 
 def test_conversations_without_tokenizer_are_refused_by_the_command(procs, tmp_path):
-    data = _jsonl(tmp_path / "c.jsonl", [{"conversations": CONVERSATION}])
+    data = write_jsonl(tmp_path / "c.jsonl", [{"conversations": CONVERSATION}])
     res = procs.run("enqueue", data)
     assert res.returncode != 0
     assert "format sharegpt holds conversations: give --tokenizer" in res.stderr

@@ -12,6 +12,7 @@ from tests.helpers import (
     kill_collector_mid_write,
     log_of,
     status_json,
+    write_jsonl,
     write_prompts,
 )
 
@@ -61,7 +62,7 @@ def test_collector_kills_leave_one_frame_per_record(procs, start_sim, out, tmp_p
     assert status_json(procs)["stream"]["length"] == len(prompts), "every result waits in the stream"
     # Killed three times while it drains that backlog: small batches (an fsync each) keep it
     # writing a while; each kill must leave lines still to write.
-    print("KILLS", kill_collector_mid_write(procs, out, out / "kills" / "raw_responses.jsonl", len(prompts)))
+    kill_collector_mid_write(procs, out, out / "kills" / "raw_responses.jsonl", len(prompts))
     # A crash between a batch's frames and its lines leaves frames of records not on disk.
     with (out / "kills" / FILE).open("ab") as fh:
         fh.write(pack("kills-99999", LogProbs([-0.5], [[1] * K], [[-0.5] * K])))
@@ -74,8 +75,7 @@ def test_collector_kills_leave_one_frame_per_record(procs, start_sim, out, tmp_p
 
 def test_a_backend_without_logprobs_is_refused_at_enqueue(procs, start_sim, tmp_path):
     url = start_sim("--api", "openai-chat")
-    data = tmp_path / "chat.jsonl"
-    data.write_text('{"prompt": "hello"}\n')
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "hello"}])
     res = procs.run("enqueue", data, "--server", url, "--logprobs", "3")
     assert res.returncode == 2 and "the openai-chat backend cannot return them" in res.stderr
-    assert not read_jsonl(tmp_path / "none.jsonl")
+    assert "chat" not in status_json(procs)["datasets"], "refused before anything was registered or queued"

@@ -5,10 +5,12 @@ from __future__ import annotations
 import orjson
 
 from genq.embedded import free_port
-from tests.helpers import log_of, status_json, stop, wait_until, write_prompts
+from tests.helpers import log_of, sim_stats, status_json, stop, wait_until, write_prompts
 
 
-def test_worker_json_log_names_job_dataset_and_worker_for_every_event(procs, out, tmp_path, namespace):
+def test_worker_json_log_names_job_dataset_and_worker_for_every_event(
+    procs, start_sim, out, tmp_path, namespace
+):
     write_prompts(tmp_path / "logs.jsonl", 20)
     with (tmp_path / "logs.jsonl").open("ab") as fh:
         fh.write(orjson.dumps({"input_ids": [101] * 200}) + b"\n")  # cannot fit: fails for good
@@ -18,14 +20,16 @@ def test_worker_json_log_names_job_dataset_and_worker_for_every_event(procs, out
     # The server is down when the worker starts, and comes up later.
     worker = procs.start("worker", "--server", server, "--concurrency", "4", "--log-format", "json")
     wait_until(lambda: "not ready" in log_of(worker), 30, "the worker to see the server down")
-    procs.start("sim-server", "--port", str(port), "--context-length", "256", "--fail-500", "0.3")
+    # start_sim's --port 0 comes first: the last --port wins.
+    assert start_sim("--port", str(port), "--context-length", "256", "--fail-500", "0.3") == server
     collector = procs.start("collect", "--out", out, "--burst", env={"GENQ_LOG_FORMAT": "json"})
     wait_until(lambda: status_json(procs)["datasets"]["logs"]["done"] == 20, 60, "the run")
     assert stop(worker) == 0, log_of(worker)
     assert collector.wait(60) == 0, log_of(collector)
+    assert sim_stats(server)["faults"]["error_500"] > 0, "the server failed some requests: retries to log"
 
     lines = [orjson.loads(line) for line in log_of(worker).splitlines()]  # every line is JSON
-    assert all({"ts", "level", "logger", "msg"} <= set(line) for line in lines)
+    assert lines and all({"ts", "level", "logger", "msg"} <= set(line) for line in lines)
 
     def events(text: str) -> list[dict]:
         found = [line for line in lines if text in line["msg"]]
@@ -47,8 +51,8 @@ def test_worker_json_log_names_job_dataset_and_worker_for_every_event(procs, out
     )
     assert events("stop requested")[0]["worker"] == name
     assert lines[-1]["msg"].endswith("stopped") and lines[-1]["worker"] == name
-    for line in log_of(collector).splitlines():
-        orjson.loads(line)
+    collected = [orjson.loads(line) for line in log_of(collector).splitlines()]  # every line is JSON
+    assert collected and all({"ts", "level", "logger", "msg"} <= set(line) for line in collected)
 
 
 def test_text_log_names_the_worker(procs, start_sim, tmp_path, namespace):

@@ -7,7 +7,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from genq.embedded import free_port
-from tests.helpers import log_of, read_jsonl, status_json, wait_until, write_prompts
+from tests.helpers import log_of, read_jsonl, sim_stats, status_json, wait_until, write_prompts
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset], float]:
@@ -38,6 +38,8 @@ def test_metrics_of_worker_and_collector_agree_with_the_files(procs, start_sim, 
         60,
         "every record on disk",
     )
+    injected = sim_stats(url)["faults"]["error_500"]
+    assert injected > 0, "the server failed some requests: errors and retries to count"
     assert f"metrics: serving http://127.0.0.1:{cport}/metrics" in log_of(collector), "127.0.0.1 by default"
     records = read_jsonl(out / "m" / "raw_responses.jsonl")
     prompt = sum(r["prompt_tokens"] for r in records)
@@ -51,6 +53,7 @@ def test_metrics_of_worker_and_collector_agree_with_the_files(procs, start_sim, 
     assert value(w, "genq_worker_requests_total", outcome="ok", error="") == 60
     errors = value(w, "genq_worker_requests_total", outcome="error", error="server_error")
     assert errors == value(w, "genq_worker_retries_total", error="server_error") == retried > 0
+    assert errors <= injected, "each error counted is one the server injected"
     assert value(w, "genq_worker_request_seconds_count") == 60 + errors
     assert value(w, "genq_worker_in_flight") == 0 and value(w, "genq_worker_server_up") == 1
     assert not [k for k in w if k[0].startswith("genq_collector_")], "a worker serves only its own metrics"

@@ -249,6 +249,10 @@ def measured(report, line: str) -> None:
 # -- 1 ------------------------------------------------------------------------------------------
 
 
+# Its budgets: the set-up (Redis 30 s, enqueue 120 s, simulators 2 x 30 s, workers 2 x 60 s), waits of
+# 120 + 60 + 60 + 60 + 90 + 180 + 60 s and an enqueue (120 s), `rq info` and status (2 x 60 s), and the
+# roles' stops (3 x 90 s): 1470 s.
+@pytest.mark.timeout(1600)
 def test_a_worker_host_cut_off_from_redis(cluster, tmp_path, report):
     """gpu1 is cut off from Redis past the heartbeat TTL: its jobs go back to the queue and run on
     gpu2 within TTL − TTL/6 … TTL + TTL/4 (docs/failures.md); when the link returns, its late
@@ -326,6 +330,9 @@ def test_a_worker_host_cut_off_from_redis(cluster, tmp_path, report):
 # -- 2 ------------------------------------------------------------------------------------------
 
 
+# Its budgets: the set-up (330 s, as above), waits of 60 + 120 + 60 + 90 + 90 + 180 s, `rq info` and status
+# (2 x 60 s), and the roles' stops (3 x 90 s): 1320 s.
+@pytest.mark.timeout(1500)
 def test_a_worker_cut_off_from_its_own_server(cluster, tmp_path, report):
     """Only the link between gpu1 and its inference server breaks: its requests hang, the gate
     closes, no attempt is charged (one attempt per job: a charged one would fail the job), and
@@ -380,6 +387,9 @@ def test_a_worker_cut_off_from_its_own_server(cluster, tmp_path, report):
 BATCH = 20  # the first collector's --batch
 
 
+# Its budgets: the set-up (330 s, as above), waits of 90 + 60 + 60 + 60 + 60 + 180 s, the first
+# collector's exit (120 s), `rq info` and status (2 x 60 s), and the roles' stops (3 x 90 s): 1350 s.
+@pytest.mark.timeout(1500)
 def test_the_collector_host_cut_off(cluster, tmp_path, report):
     """The collector's host is cut off with a batch in hand: it has read entries and its check of
     them has reached Redis, but not the answer. Nothing unwritten is acknowledged; a second
@@ -531,6 +541,10 @@ def appended_by(proc: subprocess.Popen, path: Path) -> int:
 RT_PER_JOB_MAX = 0.5
 
 
+# Its budgets: the set-up (Redis 30 s, simulators 2 x 30 s, workers 2 x 60 s), per phase an enqueue
+# (120 s) and waits of 120 + 90 + 300 s, `rq info` and status (2 x 60 s), and the roles' stops (3 x 90 s):
+# 1860 s.
+@pytest.mark.timeout(2000)
 def test_a_slow_lossy_network_between_the_gpu_hosts_and_redis(cluster, tmp_path, report):
     """100 ms of round trip (50 ms each way) and 1 % loss each way between the gpu hosts and
     Redis: nothing is lost, and the workers' Redis calls are batched (their round trips per job,
@@ -607,6 +621,9 @@ def test_a_slow_lossy_network_between_the_gpu_hosts_and_redis(cluster, tmp_path,
 # -- 5 ------------------------------------------------------------------------------------------
 
 
+# Its budgets: the set-up (330 s, as above), waits of 90 + 60 + 60 + 180 s, Redis's stop and start
+# (60 + 30 s), `rq info` and status (2 x 60 s), and the roles' stops (3 x 90 s): 1200 s.
+@pytest.mark.timeout(1300)
 def test_redis_restarted_on_its_host(cluster, tmp_path, report):
     """Redis is stopped and started again on its host (AOF) mid-run, every link up: every role
     reconnects, and every prompt lands on disk exactly once."""

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
-import time
+from collections import Counter
 
-import orjson
 import pytest
 
 from tests.helpers import (
@@ -22,11 +21,13 @@ from tests.helpers import (
     stop,
     wait_until,
     write_ids,
+    write_jsonl,
 )
 from tests.llama import LlamaServer, direct, tiny_prompts
 
 pytestmark = pytest.mark.real_engine
 MAX_NEW = 32
+EOS = 2  # the tiny model's end of sequence (ops/llamacpp/tiny_model.py)
 
 
 def _check_exact(
@@ -43,25 +44,49 @@ def _check_exact(
     return records
 
 
-def test_records_equal_direct_calls_through_the_queue(procs, llama, out, tmp_path):
-    prompts = tiny_prompts(300)
-    data = tmp_path / "exact.jsonl"
-    write_ids(data, prompts)
-    res = procs.run(
-        "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--server", llama.url
-    )
-    assert res.returncode == 0, res.stderr
-    workers = [
-        procs.start("worker", "--server", llama.url, "--burst", "--concurrency", "16") for _ in range(2)
-    ]
-    assert [w.wait(180) for w in workers] == [0, 0], [log_of(w) for w in workers]
-    assert "llamacpp detected" in log_of(workers[0])
-    assert procs.run("collect", "--out", out, "--burst").returncode == 0
-    records = _check_exact(out, "exact", prompts, llama.url)
-    stopped = [r for r in records if r["finish_reason"] == "stop"]
-    assert all(r["output_ids"][-1] == r["matched_stop"] for r in stopped), "EOS kept as the last id"
+@pytest.mark.timeout(480)  # the server's start (60 s) and two workers' runs (2 x 180 s)
+def test_records_equal_direct_calls_through_the_queue(procs, llama_model, out, tmp_path):
+    """Every record the server's greedy output, ending at EOS or at max_new_tokens: the random
+    model alone never ends a sequence, so this server raises EOS by 6 for every request (its
+    default logit bias; genq sends none), and about three answers in four end there."""
+    binary, model, _ = llama_model
+    llama = LlamaServer(binary, model, tmp_path / "llama.log", "--logit-bias", f"{EOS}+6").start()
+    try:
+        prompts = tiny_prompts(300)
+        data = tmp_path / "exact.jsonl"
+        write_ids(data, prompts)
+        res = procs.run(
+            "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--server", llama.url
+        )
+        assert res.returncode == 0, res.stderr
+        workers = [
+            procs.start("worker", "--server", llama.url, "--burst", "--concurrency", "16") for _ in range(2)
+        ]
+        assert [w.wait(180) for w in workers] == [0, 0], [log_of(w) for w in workers]
+        assert "llamacpp detected" in log_of(workers[0])
+        assert procs.run("collect", "--out", out, "--burst").returncode == 0
+        records = _check_exact(out, "exact", prompts, llama.url)
+    finally:
+        llama.stop()
+    finishes = Counter(r["finish_reason"] for r in records)
+    assert finishes["stop"] > 0 and finishes["length"] > 0, f"both ends, EOS and the limit: {finishes}"
+    for r in records:
+        if r["finish_reason"] == "stop":
+            assert r["output_ids"][-1] == r["matched_stop"] == EOS, f"{r['id']}: EOS not kept as the last id"
+            assert r["completion_tokens"] <= MAX_NEW, r
+        else:
+            assert r["completion_tokens"] == MAX_NEW and EOS not in r["output_ids"], r
 
 
+def seen(workers, text: str) -> int:
+    """How many times the workers' logs say ``text``."""
+    return sum(log_of(w).count(text) for w in workers)
+
+
+# Its waits: the engine's starts (2 x 60 s), 5 x 120 s for records and jobs in flight, a worker's
+# drain (30 s), 60 + 60 s for the engine's death and stop to show, 240 s for every record, and
+# 3 x 60 s for the roles to stop.
+@pytest.mark.timeout(1500)
 def test_kills_on_a_real_engine_lose_and_repeat_nothing(procs, llama_model, out, tmp_path):
     """Worker SIGKILL and SIGTERM, collector SIGKILL, the engine SIGKILLed and restarted, the
     engine SIGSTOPped past the request deadline then SIGCONTed, each with requests in flight:
@@ -109,13 +134,21 @@ def test_kills_on_a_real_engine_lose_and_repeat_nothing(procs, llama_model, out,
         sigkill(collector)
         collector = procs.start("collect", "--out", out)
         at(550)
+        down = seen(workers, "looks down")
         server.stop()  # SIGKILL: every request in flight is dropped
-        time.sleep(1)
+        wait_until(lambda: seen(workers, "looks down") > down, 60, "a worker to notice the engine's death")
         server.start()
         at(700)
         assert server.proc is not None
-        os.kill(server.proc.pid, signal.SIGSTOP)  # every request in flight hangs past its 3 s deadline
-        time.sleep(5)
+        # SIGSTOP: every request in flight hangs past its 3 s deadline. Until the workers see the
+        # engine down, not only requests timing out (a loaded machine times some out anyway).
+        down, timeouts = seen(workers, "looks down"), seen(workers, "failed: timeout")
+        os.kill(server.proc.pid, signal.SIGSTOP)
+
+        def hung() -> bool:
+            return seen(workers, "looks down") > down and seen(workers, "failed: timeout") > timeouts
+
+        wait_until(hung, 60, "requests to time out and a worker to see the stopped engine down")
         os.kill(server.proc.pid, signal.SIGCONT)
         wait_until(
             lambda: status_json(procs)["datasets"]["kills"]["done"] == len(prompts), 240, "every record"
@@ -123,9 +156,6 @@ def test_kills_on_a_real_engine_lose_and_repeat_nothing(procs, llama_model, out,
         for w in workers:
             assert stop(w, timeout=60) == 0, log_of(w)
         assert stop(collector, timeout=60) == 0, log_of(collector)
-        logs = "".join(log_of(w) for w in workers)
-        assert "looks down" in logs, "the engine's death was noticed"
-        assert "failed: timeout" in logs, "the stopped engine timed requests out"
         _check_exact(out, "kills", prompts, server.url)
         assert not read_jsonl(out / "kills" / "errors.jsonl")
     finally:
@@ -166,7 +196,7 @@ def test_a_chat_dataset_rendered_with_the_models_own_tokenizer(procs, llama, lla
         for i in range(40)
     ]
     data = tmp_path / "chat.jsonl"
-    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    write_jsonl(data, rows)
     res = procs.run(
         "enqueue", data, "--tokenizer", tokenizer_dir, "--max-new-tokens", str(MAX_NEW), "--temperature", "0",
         "--server", llama.url,

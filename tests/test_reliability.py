@@ -11,8 +11,10 @@ from pathlib import Path
 
 import orjson
 import pytest
+from rq import Queue
 
 from genq.embedded import EmbeddedRedis, free_port
+from genq.keys import Keys
 from tests.helpers import (
     assert_adds_up,
     check_records,
@@ -26,6 +28,7 @@ from tests.helpers import (
     status_json,
     stop,
     wait_until,
+    write_jsonl,
     write_prompts,
     written_lines,
 )
@@ -34,7 +37,9 @@ PARAMS = {"max_new_tokens": 200}
 RQ = str(Path(sys.executable).parent / "rq")
 
 
-def test_server_down_sends_no_job_to_the_failed_list(procs, out, tmp_path):
+@pytest.mark.timeout(660)  # its waits add up to 570 s, and a burst collect
+@pytest.mark.slow
+def test_server_down_sends_no_job_to_the_failed_list(procs, out, tmp_path, conn, namespace):
     """The server process dies twice under running jobs and comes back on the same port; with
     only 2 attempts per job nothing fails: neither the dropped connections of a crash nor the
     refused ones while it is down cost an attempt, and the worker waits on /health."""
@@ -46,46 +51,60 @@ def test_server_down_sends_no_job_to_the_failed_list(procs, out, tmp_path):
     url = f"http://127.0.0.1:{port}"
     data = tmp_path / "down.jsonl"
     prompts = write_prompts(data, 300)
+    failed = Queue(Keys(namespace).queue_name("down"), connection=conn, serializer="json").failed_job_registry
     try:
         wait_until(lambda: server_up(url), 30, "the simulator")
         assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
         worker = procs.start(
             "worker", "--server", url, "--burst", "--max-attempts", "2", "--concurrency", "32"
         )
-        wait_until(
-            lambda: status_json(procs)["datasets"]["down"]["done"] + _in_stream(procs) > 20, 60, "progress"
-        )
         for crash in (1, 2):
+            # At the server: the dataset's in_flight counts results waiting in the stream too.
+            wait_until(lambda: sim_stats(url)["in_flight"] >= 10, 60, "10 requests in flight at the server")
+            before = _judged(worker)
             sigkill(sim)
             wait_until(lambda c=crash: log_of(worker).count("looks down") >= c, 30, "the worker to notice")
-            time.sleep(3)  # down for a while: the worker must keep its jobs, not fail them
-            assert status_json(procs)["datasets"]["down"]["failed"] == 0
+            # Down for a while: the worker has judged the requests the crash dropped (each one is where
+            # it would charge an attempt, and with 2 attempts fail the job at the second crash).
+            wait_until(
+                lambda b=before: _judged(worker) >= b + 10, 60, "the worker to judge the dropped requests"
+            )
+            gave_up = [line for line in log_of(worker).splitlines() if "failed for good" in line]
+            assert not gave_up, f"crash {crash} sent jobs to the failed list: {gave_up[:3]}"
+            assert failed.get_job_ids(cleanup=False) == [], f"crash {crash} sent jobs to the failed list"
             sim = subprocess.Popen(sim_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             wait_until(lambda c=crash: log_of(worker).count("is up again") >= c, 60, "the worker to resume")
-            wait_until(
-                lambda: status_json(procs)["datasets"]["down"]["in_flight"] > 10, 30, "jobs in flight again"
-            )
         assert worker.wait(120) == 0, log_of(worker)
-        assert "is up again" in log_of(worker)
     finally:
         sim.kill()
+    assert failed.get_job_ids(cleanup=False) == [], "a job went to the failed list"
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
     check_records(out, "down", prompts, PARAMS)
     assert not read_jsonl(out / "down" / "errors.jsonl")
 
 
 def test_sick_server_503s_pause_the_worker_until_health_returns(procs, start_sim, out, tmp_path):
+    """Sick from the start: the worker's start-up probe (a 1-token generation) is refused, and it
+    probes again with backoff; not a single job is sent until the server is healthy."""
     url = start_sim()
     data = tmp_path / "sick.jsonl"
     prompts = write_prompts(data, 200)
     sim_post(url, "/sim/health", {"healthy": False})
     assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
     worker = procs.start("worker", "--server", url, "--burst", "--max-attempts", "2")
-    # Sick from the start: the worker's probe waits for it before taking a single job.
-    wait_until(lambda: "not ready" in log_of(worker), 30, "the worker to notice")
-    time.sleep(2)
+    # Alive and polling: three probes refused (1 s, then 2 s apart), with 200 jobs queued meanwhile.
+    probed = lambda: log_of(worker).count("not ready")  # noqa: E731
+    wait_until(lambda: probed() >= 3, 60, "the worker to probe the sick server 3 times")
+    sent = sim_stats(url)
+    probes = probed()  # read after the counters: a probe not yet logged is one more
+    assert sent["generations"] == 0, sent
+    assert sent["requests"] <= probes + 1, f"{sent['requests']} requests for {probes} probes: jobs were sent"
+    status = status_json(procs)["datasets"]["sick"]
+    assert (status["queued"], status["in_flight"]) == (200, 0), f"the worker took jobs: {status}"
     sim_post(url, "/sim/health", {"healthy": True})
     assert worker.wait(120) == 0, log_of(worker)
+    refused = sim_stats(url)["unhealthy"]
+    assert refused == probed(), f"{refused} requests refused for {probed()} probes: a job was sent while sick"
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
     check_records(out, "sick", prompts, PARAMS)
 
@@ -122,8 +141,9 @@ def test_sigterm_during_a_hung_start_up_probe_stops_the_worker_at_once(procs, st
 def test_too_long_prompts_are_rejected_at_enqueue_naming_the_row(procs, start_sim, tmp_path):
     url = start_sim("--context-length", "512")
     data = tmp_path / "ctx.jsonl"
-    rows = [{"input_ids": [101] * 100}, {"input_ids": [101] * 400}, {"prompt": "text is not counted"}]
-    data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    write_jsonl(
+        data, [{"input_ids": [101] * 100}, {"input_ids": [101] * 400}, {"prompt": "text is not counted"}]
+    )
     res = procs.run("enqueue", data, "--max-new-tokens", "200", "--server", url)
     assert res.returncode == 0, res.stderr
     assert "enqueued 2, skipped 0, rejected 1" in res.stdout
@@ -131,9 +151,12 @@ def test_too_long_prompts_are_rejected_at_enqueue_naming_the_row(procs, start_si
     res = procs.run(
         "enqueue", data, "--dataset", "ctx2", "--max-new-tokens", "200", "--context-length", "4096"
     )
+    assert res.returncode == 0, res.stderr
     assert "enqueued 3" in res.stdout
 
 
+@pytest.mark.timeout(420)  # three workers' runs of up to 120 s each
+@pytest.mark.slow
 def test_attempt_budget_then_failed_and_retry(procs, start_sim, out, tmp_path):
     url = start_sim("--fail-500", "1.0")
     data = tmp_path / "budget.jsonl"
@@ -167,6 +190,8 @@ def test_attempt_budget_then_failed_and_retry(procs, start_sim, out, tmp_path):
     assert orjson.loads(procs.run("failed", "--json").stdout)["groups"] == []
 
 
+@pytest.mark.timeout(540)  # its waits add up to 480 s
+@pytest.mark.slow
 def test_redis_restart_every_role_carries_on(procs, start_sim, out, tmp_path):
     """A Redis of its own (AOF on), restarted mid-run on the same port and folder."""
     server = EmbeddedRedis(tmp_path / "redis")
@@ -182,12 +207,13 @@ def test_redis_restart_every_role_carries_on(procs, start_sim, out, tmp_path):
         raw = out / "restart" / "raw_responses.jsonl"
         wait_until(lambda: len(written_lines(raw)) > 100, 60, "progress")
         server.stop()
-        time.sleep(2)
+        assert len(written_lines(raw)) < 600, "Redis stopped after the run, not mid-run"
+        for role in (worker, collector):
+            wait_until(lambda r=role: "Redis unreachable" in log_of(r), 60, f"{role.args[3]} to notice")
         server = EmbeddedRedis(tmp_path / "redis", port=server.port)
         server.start()
         assert worker.wait(180) == 0, log_of(worker)
         assert collector.wait(120) == 0, log_of(collector)
-        assert "Redis unreachable" in log_of(worker) + log_of(collector)
         check_records(out, "restart", prompts, PARAMS)
         assert_adds_up(status_json(procs, env))
     finally:
@@ -228,8 +254,9 @@ def test_collector_on_a_full_disk_acknowledges_nothing_and_exits_nonzero(procs, 
 
 
 @pytest.mark.parametrize("serializer_flag", [(), ("-S", "json")])
+@pytest.mark.slow
 def test_rq_info_reaping_abandoned_jobs_loses_nothing(
-    procs, start_sim, out, tmp_path, redis_url, serializer_flag
+    procs, start_sim, out, tmp_path, redis_url, conn, namespace, serializer_flag
 ):
     """`rq info` requeues a dead worker's jobs itself; without the JSON serializer it re-saves
     their meta as pickle. The jobs must still run, once each."""
@@ -243,16 +270,27 @@ def test_rq_info_reaping_abandoned_jobs_loses_nothing(
     # 10 sent and 2 taken ahead (WorkerConfig.prefetch): all 12 die with the worker.
     wait_until(lambda: status_json(procs)["datasets"]["reaped"]["in_flight"] == 12, 30, "12 jobs in flight")
     sigkill(victim)
-    time.sleep(6)  # past the heartbeat TTL: the jobs are abandoned, nobody has reaped them yet
+    # Past the heartbeat TTL the 12 executions in RQ's started registry have lapsed: abandoned, and
+    # nobody has reaped them yet (no genq worker or collector runs).
+    registry = f"rq:wip:{Keys(namespace).queue_name('reaped')}"
+    lapsed = lambda: conn.zcount(registry, "-inf", time.time()) == conn.zcard(registry) == 12  # noqa: E731
+    wait_until(lapsed, 30, "the dead worker's 12 executions to lapse")
+    assert status_json(procs)["datasets"]["reaped"]["queued"] == 8, "nobody reaped them before rq info"
     info = subprocess.run(
         [RQ, "info", "-u", redis_url, *serializer_flag], capture_output=True, text=True, timeout=60
     )
     assert info.returncode == 0, info.stderr
-    assert status_json(procs)["datasets"]["reaped"]["queued"] == 20, "rq info put the 10 back"
+    assert status_json(procs)["datasets"]["reaped"]["queued"] == 20, "rq info put the 12 back"
     worker = procs.start("worker", "--server", url, "--burst", "--concurrency", "20")
     assert worker.wait(120) == 0, log_of(worker)
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
     check_records(out, "reaped", prompts, {"max_new_tokens": 2000}, min_len=1500, max_len=1600)
+
+
+def _judged(worker) -> int:
+    """Failed sends the worker has judged: kept for a retry, or failed for good."""
+    log = log_of(worker)
+    return log.count("; retrying in ") + log.count("failed for good")
 
 
 def _in_stream(procs) -> int:

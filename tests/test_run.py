@@ -52,6 +52,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(600)  # waits of up to 120 + 30 + 240 + 120 s
+@pytest.mark.slow
 def test_run_killed_and_rerun_finishes_without_duplicates(tmp_path, monkeypatch):
     monkeypatch.delenv("GENQ_REDIS_URL", raising=False)
     data = tmp_path / "resume.jsonl"
@@ -80,9 +81,9 @@ def test_run_killed_and_rerun_finishes_without_duplicates(tmp_path, monkeypatch)
     assert "resume: 250 done, 0 failed of 250" in stdout.decode()
     check_records(out, "resume", prompts, {"max_new_tokens": 300})
 
-    # A third run finds nothing to do and exits at once: its first look at the progress already
-    # finds every job on disk, nothing queued or in flight, so it waits for no job and stops there;
-    # and not a byte more is written.
+    # A third run finds nothing to do and exits at once: its first look at the progress (always
+    # printed) already finds every job on disk and nothing queued or in flight, so it waits for no
+    # job and ends there; and not a byte more is written.
     assert len(read_jsonl(raw)) == 250
     before = raw.read_bytes()
     third = _run(data, out)
@@ -142,4 +143,7 @@ def test_rerun_on_a_fresh_redis_runs_nothing_already_on_disk(tmp_path, redis_url
             proc.kill()
         assert proc.returncode == 0, stderr.decode()[-3000:]
         assert expect in stdout + stderr
+    # The second run's first look found every job done: it ran nothing.
+    looks = PROGRESS.findall(stderr.decode())
+    assert looks and looks[0] == ("120", "120", "0", "0", "0"), f"the second run had work: {looks}"
     check_records(out, "again", prompts, {"max_new_tokens": 300})

@@ -8,7 +8,6 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,7 +86,7 @@ class RedisServer:
 
     def __init__(self, folder: Path, port: int, *args: str):
         self.port = port
-        binary = shutil.which("redis-server") or pytest.skip("no redis-server on PATH")
+        binary = need("redis-server")
         self.proc = subprocess.Popen(
             [binary, "--bind", "127.0.0.1", "--dir", str(folder), "--save", "", "--port", str(port), *args],
             stdout=subprocess.DEVNULL,

@@ -11,7 +11,6 @@ import contextlib
 import os
 import select
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,8 +22,13 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from click.testing import CliRunner
 
+from sim import cli as sim_cli
 from sim import model
+from sim.config import SimConfig
+from sim.scheduler import BatchScheduler
+from tests.helpers import sim_stats, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,7 +89,10 @@ def base_url() -> Iterator[str]:
 
 @pytest.fixture
 def start_sim() -> Iterator[Any]:
-    """Start servers with given flags; all are stopped at the end of the test."""
+    """Start servers with given flags (and environment); all are stopped at the end of the test.
+
+    This module's own, not conftest's `genq sim-server` launcher: it runs the `python -m sim` entry
+    point, can pass environment variables (GENQ_SIM_*), and requires exit 0 on SIGTERM."""
     with contextlib.ExitStack() as stack:
         yield lambda *flags, env=None: stack.enter_context(running_sim(*flags, env=env))
 
@@ -127,13 +134,19 @@ def generate(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S)
     return call("POST", f"{url}/generate", body, timeout)
 
 
-def wait_for_stat(url: str, key: str, value: int, timeout: float = 5.0) -> None:
+async def stats_when(
+    session: aiohttp.ClientSession, url: str, cond: Any, what: str, timeout: float = REQUEST_TIMEOUT_S
+) -> dict[str, Any]:
+    """/sim/stats once ``cond`` holds of it, polled inside a running scenario; after ``timeout``
+    seconds the test fails, naming ``what`` (helpers.wait_until for the event loop)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if call("GET", f"{url}/sim/stats").json[key] == value:
-            return
-        time.sleep(0.02)
-    pytest.fail(f"/sim/stats {key} did not reach {value} within {timeout} s")
+    while True:
+        stats = (await _request(session, "GET", f"{url}/sim/stats")).json
+        if cond(stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; /sim/stats: {stats}")
+        await asyncio.sleep(0.02)
 
 
 # --- the model, no server ---
@@ -472,17 +485,17 @@ def test_hang_fault_duplicate_rid_and_abort_request(start_sim: Any) -> None:
     url = start_sim("--fail-hang", "1.0")
     with pytest.raises(TimeoutError):
         generate(url, {"text": "hi"}, timeout=0.3)
+    # The client gave up because the server hung, not because it was slow: the fault fired, and
+    # nothing was generated or answered.
+    stats = wait_until(lambda: (s := sim_stats(url))["faults"]["hang"] == 1 and s, 10, "the hang fault")
+    assert (stats["generations"], stats["completed"]) == (0, 0), stats
 
     async def scenario() -> tuple[Reply, Reply]:
         async with aiohttp.ClientSession() as session:
             hanging = asyncio.create_task(
                 _request(session, "POST", f"{url}/generate", {"text": "x", "rid": "dup"})
             )
-            for _ in range(250):
-                stats = await _request(session, "GET", f"{url}/sim/stats")
-                if stats.json["faults"]["hang"] == 2:
-                    break
-                await asyncio.sleep(0.02)
+            await stats_when(session, url, lambda s: s["faults"]["hang"] == 2, "the rid dup to hang")
             duplicate = await _request(session, "POST", f"{url}/generate", {"text": "y", "rid": "dup"})
             assert not hanging.done()
             aborted = await _request(
@@ -505,33 +518,41 @@ def test_abort_is_by_prefix_of_an_exact_live_rid(start_sim: Any) -> None:
     starts with the one given: aborting "job-1" takes "job-10" with it."""
     url = start_sim("--fail-hang", "1.0")
 
-    async def scenario() -> dict[str, str]:
+    async def scenario() -> tuple[dict[str, Any], dict[str, Reply], Reply]:
         async with aiohttp.ClientSession() as session:
-            rids = ("job-1", "job-10", "job-2")
             tasks = {
                 r: asyncio.create_task(_request(session, "POST", f"{url}/generate", {"text": "x", "rid": r}))
-                for r in rids
+                for r in ("job-1", "job-10", "job-2")
             }
-            for _ in range(250):
-                if (await _request(session, "GET", f"{url}/sim/stats")).json["in_flight"] == 3:
-                    break
-                await asyncio.sleep(0.02)
+            await stats_when(session, url, lambda s: s["in_flight"] == 3, "three requests hanging")
             await _request(session, "POST", f"{url}/abort_request", {"rid": "job"})  # not live: ignored
             await _request(session, "POST", f"{url}/abort_request", {"rid": "job-1"})
-            done, pending = await asyncio.wait(tasks.values(), timeout=REQUEST_TIMEOUT_S / 2)
-            for task in pending:
-                task.cancel()
-            return {r: ("aborted" if t in done else "running") for r, t in tasks.items()}
+            prefixed = [tasks["job-1"], tasks["job-10"]]
+            done, _ = await asyncio.wait(prefixed, timeout=REQUEST_TIMEOUT_S)
+            assert len(done) == 2, "job-1 and job-10 were not answered after aborting job-1"
+            # Both answered, so the server acted on the aborts: job-2 is still held.
+            stats = (await _request(session, "GET", f"{url}/sim/stats")).json
+            assert not tasks["job-2"].done(), "job-2 was answered: an abort took it too"
+            await _request(session, "POST", f"{url}/abort_request", {"rid": "job-2"})
+            last = await asyncio.wait_for(tasks["job-2"], REQUEST_TIMEOUT_S)
+            return stats, {r: t.result() for r, t in tasks.items() if t in done}, last
 
-    assert asyncio.run(scenario()) == {"job-1": "aborted", "job-10": "aborted", "job-2": "running"}
-    assert call("GET", f"{url}/sim/rids").json == ["job-1", "job-10", "job-2"]
+    stats, aborted, last = asyncio.run(scenario())
+    assert (stats["aborted"], stats["in_flight"]) == (2, 1), stats
+    assert sorted(aborted) == ["job-1", "job-10"]
+    for reply in aborted.values():
+        assert reply.status == 200 and reply.json["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last.json["meta_info"]["finish_reason"]["type"] == "abort", "job-2 was live until its own abort"
+    assert sorted(call("GET", f"{url}/sim/rids").json) == ["job-1", "job-10", "job-2"]
 
 
 def test_running_timeout_is_a_503(start_sim: Any) -> None:
-    url = start_sim("--latency", "realistic", "--decode-step-ms", "20", "--req-running-timeout", "0.3")
+    url = start_sim("--latency", "realistic", "--decode-step-ms", "20", "--req-running-timeout", "1")
     reply = generate(
         url, {"input_ids": [500] * 10, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
     )
+    stats = sim_stats(url)
+    assert (stats["timed_out"], stats["generations"]) == (1, 0), f"the scheduler timed it out: {stats}"
     assert reply.status == 503
     assert reply.json == {
         "object": "error",
@@ -547,52 +568,106 @@ def test_running_timeout_is_a_503(start_sim: Any) -> None:
 
 
 def test_nan_fault_looks_finished_but_is_not(start_sim: Any) -> None:
+    """The answer was cut at max_new_tokens, yet it comes back as a stop on EOS."""
     url = start_sim("--fail-nan", "1.0")
-    reply = generate(url, {"input_ids": [500] * 10})
+    ids, params = [500] * 10, {"max_new_tokens": 20, "ignore_eos": True}
+    honest = model.generate(ids, params)
+    assert honest.finish_reason == {"type": "length", "length": 20}
+    assert model.EOS_TOKEN_ID not in honest.output_ids
+    reply = generate(url, {"input_ids": ids, "sampling_params": params})
+    assert sim_stats(url)["faults"]["nan"] == 1, "the NaN fault fired"
     assert reply.status == 200
     assert reply.json["meta_info"]["finish_reason"] == {"type": "stop", "matched": "NaN happened"}
-    assert reply.json["output_ids"][-1] == model.EOS_TOKEN_ID
+    assert reply.json["output_ids"] == [*honest.output_ids[:-1], model.EOS_TOKEN_ID]
 
 
 def test_starting_server_answers_health_503_and_holds_generations(start_sim: Any) -> None:
-    url = start_sim("--startup-s", "1.5")
-    assert call("GET", url + "/health").status == 503
-    started = time.monotonic()
-    assert generate(url, {"input_ids": [500] * 10}).status == 200
-    assert time.monotonic() - started > 0.5
-    assert call("GET", url + "/health").status == 200
+    url = start_sim("--startup-s", "5")
+
+    async def scenario() -> tuple[int, Reply]:
+        async with aiohttp.ClientSession() as session:
+            health = (await _request(session, "GET", url + "/health")).status
+            assert health == 503, "the server had started before the test looked: raise --startup-s"
+            body = {"input_ids": [500] * 10}
+            held = asyncio.create_task(_request(session, "POST", f"{url}/generate", body, timeout=20))
+            await stats_when(session, url, lambda s: s["requests"] == 1, "the generation to reach the server")
+            # Until /health says started, the generation must stay unanswered (each look reads the
+            # answer and the counters first, then /health).
+            looks, deadline = 0, time.monotonic() + 20
+            while True:
+                answered = held.done()
+                stats = (await _request(session, "GET", f"{url}/sim/stats")).json
+                health = (await _request(session, "GET", url + "/health")).status
+                if health == 200:
+                    break
+                assert health == 503
+                assert not answered and stats["completed"] == 0, (
+                    f"a generation was answered while /health still said starting: {stats}"
+                )
+                looks += 1
+                assert time.monotonic() < deadline, "/health still 503 after 20 s"
+                await asyncio.sleep(0.05)
+            return looks, await asyncio.wait_for(held, 20)
+
+    looks, reply = asyncio.run(scenario())
+    assert looks > 0, "the generation was never seen held: the server started first (raise --startup-s)"
+    assert reply.status == 200
+    assert sim_stats(url)["completed"] == 1
 
 
 # --- realistic latency ---
 
 
-def test_latency_grows_with_concurrency(start_sim: Any) -> None:
-    url = start_sim(
-        "--latency",
-        "realistic",
-        "--decode-step-ms",
-        "5",
-        "--batch-knee",
-        "16",
-        "--min-len",
-        "40",
-        "--max-len",
-        "40",
+def test_latency_grows_with_concurrency(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The latency model of sim/scheduler.py on a virtual clock, so nothing depends on this host's
+    speed: a decode step takes decode_step_s * (1 + decoding / batch_knee) for every sequence
+    decoding in it, so a request's latency grows with the number decoding beside it."""
+    clock = [0.0]
+    real_sleep = asyncio.sleep
+
+    async def virtual_sleep(seconds: float) -> None:
+        clock[0] += seconds
+        await real_sleep(0)
+
+    # The flags reach the model (the server is not started: its settings are caught instead).
+    configs: list[SimConfig] = []
+
+    async def serve(config: SimConfig, host: str, port: int) -> None:
+        configs.append(config)
+
+    monkeypatch.setattr(sim_cli, "_serve", serve)
+    res = CliRunner().invoke(
+        sim_cli.sim_server,
+        [
+            "--latency",
+            "realistic",
+            "--decode-step-ms",
+            "5",
+            "--batch-knee",
+            "16",
+            "--prefill-per-token-us",
+            "0",
+        ],
     )
+    assert res.exit_code == 0, res.output
+    params = configs[0].latency_params()
+    assert (params.decode_step_s, params.batch_knee, params.prefill_per_token_s) == (0.005, 16, 0.0)
+    # Only the scheduler sleeps in this event loop (no prefill: nothing waits on the real clock).
+    monkeypatch.setattr("sim.scheduler.asyncio.sleep", virtual_sleep)
 
-    async def latencies(n: int) -> list[float]:
-        async with aiohttp.ClientSession() as session:
-            bodies = [
-                {"input_ids": [100 + i, 200], "sampling_params": {"max_new_tokens": 100}} for i in range(n)
-            ]
-            replies = await asyncio.gather(*(_request(session, "POST", f"{url}/generate", b) for b in bodies))
-        assert all(r.status == 200 and r.json["meta_info"]["completion_tokens"] == 40 for r in replies)
-        return [r.json["meta_info"]["e2e_latency"] for r in replies]
+    async def latency(n: int) -> float:
+        """n requests of 40 tokens sent together; they decode together and end at the same step."""
+        scheduler = BatchScheduler(params)
+        scheduler.start()
+        started = clock[0]
+        sequences = [scheduler.submit(0, 40) for _ in range(n)]
+        assert await asyncio.gather(*(s.future for s in sequences)) == [40] * n
+        await scheduler.stop()
+        return clock[0] - started
 
-    single = asyncio.run(latencies(1))[0]
-    crowded = statistics.median(asyncio.run(latencies(64)))
-    assert single >= 40 * 0.005
-    assert crowded / single > 1.5
+    single, crowded = asyncio.run(latency(1)), asyncio.run(latency(64))
+    assert single == pytest.approx(40 * 0.005 * (1 + 1 / 16))
+    assert crowded == pytest.approx(40 * 0.005 * (1 + 64 / 16))
 
 
 def test_abort_request_returns_partial_output(start_sim: Any) -> None:
@@ -603,15 +678,24 @@ def test_abort_request_returns_partial_output(start_sim: Any) -> None:
         async with aiohttp.ClientSession() as session:
             body = {"text": "go on", "rid": "long", "sampling_params": params}
             running = asyncio.create_task(_request(session, "POST", f"{url}/generate", body))
-            await asyncio.sleep(0.3)
+            await stats_when(session, url, lambda s: s["running"] == 1, "the long request to be running")
+            # A probe with a longer prompt, admitted after it, decodes only in steps the long one
+            # decodes in too: once the probe's 8 tokens are out, so are 8 of the long one's.
+            probe = {"input_ids": [500] * 10, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+            answer = await _request(session, "POST", f"{url}/generate", probe)
+            assert answer.status == 200 and answer.json["meta_info"]["completion_tokens"] == 8
             await _request(session, "POST", f"{url}/abort_request", {"rid": "long"})
             return await asyncio.wait_for(running, REQUEST_TIMEOUT_S)
 
     reply = asyncio.run(scenario())
+    stats = sim_stats(url)
+    assert (stats["aborted"], stats["completed"]) == (1, 1), (
+        f"the abort ended it, the probe finished: {stats}"
+    )
     assert reply.status == 200
     assert reply.json["meta_info"]["finish_reason"]["type"] == "abort"
     partial = reply.json["output_ids"]
-    assert 0 < len(partial) < 2000
+    assert 8 <= len(partial) < 2000
     assert partial == model.generate(model.tokenize("go on"), params).output_ids[: len(partial)]
 
 
@@ -629,16 +713,26 @@ def test_bounded_queue_answers_503_when_full(start_sim: Any) -> None:
 
     async def scenario() -> tuple[Reply, Reply]:
         async with aiohttp.ClientSession() as session:
-            body = {"text": "first", "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+            body = {
+                "text": "first",
+                "rid": "first",
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+            }
             first = asyncio.create_task(_request(session, "POST", f"{url}/generate", body))
-            await asyncio.sleep(0.05)
-            second = await _request(session, "POST", f"{url}/generate", {"text": "second"})
-            return await asyncio.wait_for(first, REQUEST_TIMEOUT_S), second
+            await stats_when(session, url, lambda s: s["running"] == 1, "the first request in the only slot")
+            second = asyncio.create_task(_request(session, "POST", f"{url}/generate", {"text": "second"}))
+            answered, _ = await asyncio.wait({second}, timeout=REQUEST_TIMEOUT_S / 2)
+            await _request(session, "POST", f"{url}/abort_request", {"abort_all": True})
+            assert answered, "the second request was held, not refused: the full queue took it"
+            return await asyncio.wait_for(first, REQUEST_TIMEOUT_S), second.result()
 
     first, second = asyncio.run(scenario())
-    assert first.status == 200
+    stats = sim_stats(url)
+    assert (stats["queue_full"], stats["requests"]) == (1, 2), stats
     assert second.status == 503
     assert second.json["message"] == "The request queue is full."
+    assert first.status == 200, "the first one was served (until its abort), not refused"
+    assert first.json["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 # --- vLLM's OpenAI-compatible server (--api vllm) ---

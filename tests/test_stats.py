@@ -6,14 +6,7 @@ from pathlib import Path
 
 import orjson
 
-from tests.helpers import Procs
-
-
-def _jsonl(path: Path, *lines: dict | list | str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("wb") as fh:
-        for line in lines:
-            fh.write((line.encode() if isinstance(line, str) else orjson.dumps(line)) + b"\n")
+from tests.helpers import Procs, write_jsonl
 
 
 def genq_record(i: int, prompt: int, completion: int, finish: str, latency: float) -> dict:
@@ -52,54 +45,64 @@ def chat(prompt: int, completion: int, finish: str, reasoning_key: str) -> dict:
 
 
 def build_folder(root: Path) -> None:
-    _jsonl(
+    for folder in ("mix", "other", ".logs"):
+        (root / folder).mkdir(parents=True)
+    write_jsonl(
         root / "mix" / "raw_responses.jsonl",
-        genq_record(0, 10, 100, "stop", 1.0),
-        genq_record(1, 20, 300, "length", 3.0),
-        chat(30, 50, "stop", "reasoning_content"),
-        chat(40, 250, "length", "reasoning"),
-        '{"id": "torn", "choices": [',  # line 5: not JSON
-        {"choices": [{"message": {"content": "no usage here"}}]},  # line 6: its tokens are unknown
-        "",
-        [1, 2, 3],  # line 8: JSON, but not an object
+        [
+            genq_record(0, 10, 100, "stop", 1.0),
+            genq_record(1, 20, 300, "length", 3.0),
+            chat(30, 50, "stop", "reasoning_content"),
+            chat(40, 250, "length", "reasoning"),
+            '{"id": "torn", "choices": [',  # line 5: not JSON
+            {"choices": [{"message": {"content": "no usage here"}}]},  # line 6: its tokens are unknown
+            "",
+            [1, 2, 3],  # line 8: JSON, but not an object
+        ],
     )
-    _jsonl(
+    write_jsonl(
         root / "mix" / "generate.jsonl",
-        {
-            "text": "x",
-            "output_ids": [1, 2],
-            "meta_info": {
-                "finish_reason": {"type": "stop", "matched": 2},
-                "prompt_tokens": 5,
-                "completion_tokens": 60,
-                "e2e_latency": 2.0,
+        [
+            {
+                "text": "x",
+                "output_ids": [1, 2],
+                "meta_info": {
+                    "finish_reason": {"type": "stop", "matched": 2},
+                    "prompt_tokens": 5,
+                    "completion_tokens": 60,
+                    "e2e_latency": 2.0,
+                },
             },
-        },
-        {"text": "y", "prompt_tokens": 15, "completion_tokens": 40, "finish_reason": {"type": "length"}},
-        {"prompt": "a row of the input, not a result"},  # line 3
+            {"text": "y", "prompt_tokens": 15, "completion_tokens": 40, "finish_reason": {"type": "length"}},
+            {"prompt": "a row of the input, not a result"},  # line 3
+        ],
     )
-    _jsonl(
+    write_jsonl(
         root / "mix" / "tokenized_data.jsonl",
-        {"input_ids": list(range(10)), "loss_mask": [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]},
-        {"input_ids": list(range(5)), "loss_mask": [0, 0, 1, 1, 1]},
-        {"input_ids": [1, 2, 3], "loss_mask": [0, 1]},  # line 3: lengths differ
+        [
+            {"input_ids": list(range(10)), "loss_mask": [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]},
+            {"input_ids": list(range(5)), "loss_mask": [0, 0, 1, 1, 1]},
+            {"input_ids": [1, 2, 3], "loss_mask": [0, 1]},  # line 3: lengths differ
+        ],
     )
-    _jsonl(
+    write_jsonl(
         root / "mix" / "errors.jsonl",
-        {
-            "id": "mix-9",
-            "dataset": "mix",
-            "row": 9,
-            "error": "bad_request",
-            "message": "too long",
-            "schema": 1,
-        },
+        [
+            {
+                "id": "mix-9",
+                "dataset": "mix",
+                "row": 9,
+                "error": "bad_request",
+                "message": "too long",
+                "schema": 1,
+            }
+        ],
     )
-    _jsonl(
+    write_jsonl(
         root / "other" / "raw_responses.jsonl",
-        *(genq_record(i, 1, 10 * (i + 1), "stop", 0.5) for i in range(3)),
+        (genq_record(i, 1, 10 * (i + 1), "stop", 0.5) for i in range(3)),
     )
-    _jsonl(root / ".logs" / "ignored.jsonl", {"not": "read"})
+    write_jsonl(root / ".logs" / "ignored.jsonl", [{"not": "read"}])
 
 
 def test_stats_json_reads_every_shape_and_counts_malformed_lines(procs: Procs, tmp_path):

@@ -12,11 +12,13 @@ from genq import datasets
 from genq.keys import Keys
 from genq.status import status
 from genq.tokens import BUCKET_S
+from sim.model import generate
 from tests.helpers import (
     assert_adds_up,
+    check_records,
+    kill_collector_mid_write,
     log_of,
     read_jsonl,
-    sigkill,
     sim_post,
     status_json,
     wait_until,
@@ -214,25 +216,27 @@ def test_token_counters_count_each_record_once_through_kills_and_lost_state(
     procs, start_sim, out, tmp_path, conn, namespace
 ):
     url = start_sim()
-    data, wave = tmp_path / "k.jsonl", tmp_path / "wave.jsonl"
+    data = tmp_path / "k.jsonl"
     raw = out / "k" / "raw_responses.jsonl"
-    for n in range(3):  # killed while writing: lines past the checkpoint are counted at start-up
-        # Each wave adds 200 rows to the file, so each collector has new lines to write, however
-        # fast it is, and may be killed anywhere in them.
-        write_prompts(wave, 200, start=200 * n)
-        with data.open("ab") as fh:
-            fh.write(wave.read_bytes())
-        assert procs.run("enqueue", data, "--max-new-tokens", "100").returncode == 0
-        assert procs.run("worker", "--server", url, "--burst").returncode == 0
-        collector = procs.start("collect", "--out", out, "--batch", "50")
-        size = raw.stat().st_size if raw.exists() else 0
-        wait_until(lambda s=size: raw.exists() and raw.stat().st_size > s, 30, "more lines")
-        sigkill(collector)
+    prompts = write_prompts(data, 600)
+    assert procs.run("enqueue", data, "--max-new-tokens", "100").returncode == 0
+    assert procs.run("worker", "--server", url, "--burst").returncode == 0
+    assert status_json(procs)["stream"]["length"] == len(prompts), "every result waits in the stream"
+    # Killed three times while it drains that backlog (each kill must leave lines still to write):
+    # lines past the checkpoint are counted at start-up.
+    kill_collector_mid_write(procs, out, raw, len(prompts))
     keys = Keys(namespace)
     conn.delete(keys.collector_offsets)  # every line looks new: none may be counted twice
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
-    records = read_jsonl(raw)
-    sums = (600, sum(r["prompt_tokens"] for r in records), sum(r["completion_tokens"] for r in records))
+    # Each record once on disk, the server's output for its prompt: the expected sums follow from
+    # the prompts themselves.
+    records = check_records(out, "k", prompts, {"max_new_tokens": 100})
+    sums = (
+        len(prompts),
+        sum(len(p) for p in prompts),
+        sum(len(generate(p, {"max_new_tokens": 100}).output_ids) for p in prompts),
+    )
+    assert (len(records), sum(r["completion_tokens"] for r in records)) == (sums[0], sums[2])
     c = status_json(procs)["datasets"]["k"]
     assert (c["done"], c["prompt_tokens"], c["completion_tokens"]) == sums
 

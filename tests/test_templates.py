@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import orjson
 import pytest
 from rq import Queue
 
@@ -13,6 +10,7 @@ from genq.templates import ChatTemplate, TemplateError
 from producer import thinking
 from sim.model import generate
 from tests.dataset_helpers import run_pipeline
+from tests.helpers import write_jsonl
 from worker.reasoning import split
 
 THREE_TURNS = [
@@ -28,11 +26,6 @@ def tok(tokenizer_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
-
-
-def _write(path: Path, rows: list[dict]) -> Path:
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    return path
 
 
 def _jobs(conn, namespace: str, dataset: str) -> dict[str, dict]:
@@ -55,7 +48,7 @@ def test_the_simulator_gets_the_chat_template_of_the_conversation_minus_its_last
         {"prompt": "Write a haiku about the sea."},
         {"instruction": "Explain recursion.", "input": "In one sentence."},
     ]
-    data = _write(tmp_path / "chat.jsonl", rows)
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
     system = "Be brief."
     records = run_pipeline(
         procs,
@@ -106,7 +99,7 @@ def test_template_refusals_and_prompts_too_long_are_rejected_or_clipped(
         {"messages": [{"role": "user", "content": long_text}]},
         {"messages": [{"role": "user", "content": long_text * 3}]},
     ]
-    data = _write(tmp_path / "long.jsonl", rows)
+    data = write_jsonl(tmp_path / "long.jsonl", rows)
     ids = [
         tok.apply_chat_template([r["messages"][-1]], add_generation_prompt=True)["input_ids"] for r in rows
     ]
@@ -143,7 +136,7 @@ def test_template_refusals_and_prompts_too_long_are_rejected_or_clipped(
 def test_a_datasets_tokenizer_template_and_system_prompt_are_fixed_at_its_first_enqueue(
     procs, tmp_path, tokenizer_dir
 ):
-    data = _write(tmp_path / "fixed.jsonl", [{"prompt": "hello"}])
+    data = write_jsonl(tmp_path / "fixed.jsonl", [{"prompt": "hello"}])
     base = ["enqueue", data, "--tokenizer", tokenizer_dir]
     assert procs.run(*base, "--chat-template-kwargs", '{"enable_thinking": true}').returncode == 0
     for other in (base, ["enqueue", data], [*base, "--think-end", "</think>"]):
@@ -152,7 +145,7 @@ def test_a_datasets_tokenizer_template_and_system_prompt_are_fixed_at_its_first_
 
 
 def test_a_tokenizer_that_cannot_be_loaded_offline_is_a_clear_error(procs, tmp_path):
-    data = _write(tmp_path / "t.jsonl", [{"prompt": "hello"}])
+    data = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "hello"}])
     res = procs.run("enqueue", data, "--tokenizer", "no-such-org/no-such-model")
     assert res.returncode != 0
     assert "--tokenizer no-such-org/no-such-model: cannot load it from a local folder" in res.stderr
@@ -213,7 +206,7 @@ def test_reasoning_is_split_in_the_record(procs, start_sim, out, tmp_path):
     # A word whose first appearance in the text (even inside another word) is its own.
     k = next(i for i in range(3, len(words)) if gen.text.find(words[i]) == len(" ".join(words[:i])) + 1)
     end_id, end_word = gen.output_ids[k], words[k]
-    data = _write(tmp_path / "think.jsonl", [{"input_ids": prompt}])
+    data = write_jsonl(tmp_path / "think.jsonl", [{"input_ids": prompt}])
     (record,) = run_pipeline(
         procs,
         url,

