@@ -100,7 +100,8 @@ def test_the_server_killed_and_restarted_mid_run(procs, vllm_install, out, tmp_p
         per_job = generations_per_job("vllm", server.log)
         assert len(per_job) == len(prompts) and max(per_job.values()) <= 2, per_job.most_common(3)
         repeated = sum(n - 1 for n in per_job.values())
-        assert 1 <= repeated <= 8, f"{repeated} generations repeated (the kill dropped up to 8 in flight)"
+        # Not at least one: the killed server's last log lines may die in its stdout buffer.
+        assert repeated <= 8, f"{repeated} generations repeated (the kill dropped up to 8 in flight)"
     finally:
         server.stop()
 
