@@ -119,6 +119,11 @@ def _reap_group(pgid: int) -> None:
         time.sleep(0.2)
 
 
+# The request log counts generations per job: a killed server must not take its last lines with it
+# in a stdout buffer (both engines log to stdout, which is block-buffered into a file).
+UNBUFFERED = {"PYTHONUNBUFFERED": "1"}
+
+
 def sglang_server(python: str, model: Path, log: Path, *flags: str) -> EngineServer:
     """The real SGLang on the CPU (the recipe of ops/engines/sglang-venv.sh's header)."""
     port = free_port()
@@ -130,7 +135,7 @@ def sglang_server(python: str, model: Path, log: Path, *flags: str) -> EngineSer
         "--mem-fraction-static", "0.1", "--max-total-tokens", "65536", "--context-length", str(CONTEXT),
         "--dtype", "float32", "--skip-server-warmup", "--sleep-on-idle", *flags,
     ]  # fmt: skip
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(CPU_STUBS)}
+    env = {**os.environ, **UNBUFFERED, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(CPU_STUBS)}
     return EngineServer(argv, env, port, log, ready_s=240)
 
 
@@ -142,7 +147,7 @@ def vllm_server(python: str, model: Path, log: Path, *flags: str) -> EngineServe
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", str(CONTEXT), "--max-num-seqs", "16", *flags,
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, **UNBUFFERED, "VLLM_CPU_KVCACHE_SPACE": "1"}
     return EngineServer(argv, env, port, log, ready_s=300)
 
 
