@@ -10,14 +10,14 @@ from typing import Any
 import click
 import redis
 
-from genq import backends, datasets
+from genq import backends, datasets, sources
 from genq.embedded import HASH_VALUE_LIMIT
 from genq.keys import Keys, validate_name
 from genq.sampling import Sampling, SamplingError, sampling_options
 from genq.sampling import check as check_sampling
 from genq.settings import connect, option, redact, redis_options, wait_for_redis
 from genq.templates import ChatTemplate, TemplateError
-from producer import sources, thinking
+from producer import thinking
 from producer.context import Limits
 from producer.enqueue import Options, Summary, enqueue_dataset
 from producer.formats import CHAT_FORMATS, FIELDS, FORMATS, Shape

@@ -23,17 +23,17 @@ from typing import Any
 import redis
 from rq import Queue
 
-from genq import datasets
+from genq import datasets, sources
 from genq.bitmaps import is_set, set_bits
 from genq.conversation import first_turn
 from genq.keys import Keys
 from genq.schema import ABANDON_REQUEUES, JobSpec, bit_index, record_id
+from genq.sources import SourceError
 from genq.templates import ChatTemplate
-from producer import rq_jobs, sources
+from producer import rq_jobs
 from producer.context import Limits, check_fits, check_vocab
 from producer.formats import Shape
 from producer.readers import Rejected, Row, read_dataset
-from producer.sources import SourceError
 
 BATCH = 1000
 RENDER_BATCH = 256  # conversations per apply_chat_template call
