@@ -26,7 +26,7 @@ from rq.registry import FailedJobRegistry
 
 from collector import metrics
 from collector.checkpoint import Checkpoints, Commands, Stale
-from collector.files import ERRORS, RAW, Appender, cut_torn_tail, scan
+from collector.files import Appender, cut_torn_tail, scan
 from genq import datasets as datasets_mod
 from genq import tokens
 from genq.bitmaps import get_bits, is_set, set_bits
@@ -34,7 +34,16 @@ from genq.failures import reason_of
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS
 from genq.logprobs import frames as logprobs_frames
-from genq.schema import KIND_ERROR, KIND_RECORD, bit_index, error_record, loads, parse_record_id
+from genq.schema import (
+    ERRORS,
+    KIND_ERROR,
+    KIND_RECORD,
+    RAW,
+    bit_index,
+    error_record,
+    loads,
+    parse_record_id,
+)
 
 log = logging.getLogger("genq.collector")
 

@@ -14,6 +14,11 @@ SCHEMA_VERSION = 1
 # `rq worker` that picks one up fails it loudly through genq.jobs.generate.
 JOB_FUNC = "genq.jobs.generate"
 
+# The two files of a dataset's folder (OUT/<dataset>/): the collector writes them, `genq export`
+# and `genq verify` read them.
+RAW = "raw_responses.jsonl"
+ERRORS = "errors.jsonl"
+
 RECORD_FIELDS = (
     "id",
     "dataset",

@@ -21,10 +21,9 @@ import orjson
 import redis
 from rq import Queue
 
-from collector.files import ERRORS, RAW
 from genq import datasets, sources
 from genq.keys import Keys
-from genq.schema import bit_index, parse_record_id
+from genq.schema import ERRORS, RAW, bit_index, parse_record_id
 from genq.settings import connect, option, redis_options
 
 ID_AT_START = re.compile(rb'^\{"id":"([^"]+)"')  # genq writes the id first: no JSON parse needed
