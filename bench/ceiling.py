@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bare_client import send_all  # noqa: E402
 from bench.common import cpu_s, machine, write_prompts  # noqa: E402
-from genq.embedded import HASH_VALUE_LIMIT, EmbeddedRedis  # noqa: E402
+from genq.connection import HASH_VALUE_LIMIT  # noqa: E402
+from genq.embedded import EmbeddedRedis  # noqa: E402
 from genq.keys import Keys  # noqa: E402
 from genq.processes import genq_command, spawn, wait_for_line  # noqa: E402
 

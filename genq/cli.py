@@ -14,8 +14,9 @@ from rich.table import Table
 
 from genq import __version__, failures
 from genq import monitor as monitor_view
+from genq.connection import connect, redact
 from genq.keys import Keys
-from genq.settings import connect, option, redact, redis_options
+from genq.settings import option, redis_options
 from genq.status import status
 
 # Each role's command, imported only when it runs (click's lazily loaded subcommands): a worker

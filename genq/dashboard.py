@@ -11,7 +11,8 @@ import logging
 
 import click
 
-from genq.settings import option, redact, redis_options, secret
+from genq.connection import redact
+from genq.settings import option, redis_options, secret
 
 LOCAL = ("127.0.0.1", "localhost", "::1")
 

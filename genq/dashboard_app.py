@@ -33,8 +33,8 @@ from rq.serializers import JSONSerializer
 from rq_dashboard import web
 
 from genq import datasets, failures
+from genq.connection import connect
 from genq.keys import Keys, validate_name
-from genq.settings import connect
 
 log = logging.getLogger("genq.dashboard")
 BLUEPRINT = "rq_dashboard"

@@ -21,8 +21,8 @@ from rich.table import Table
 from rich.text import Text
 
 from genq import failures
+from genq.connection import connect, redact
 from genq.keys import Keys
-from genq.settings import connect, redact
 from genq.status import STATES, status
 
 UNKNOWN = "unknown"

@@ -22,11 +22,12 @@ import click
 from genq import status as status_mod
 from genq import verify
 from genq.backends import NAMES
+from genq.connection import connect, redact
 from genq.embedded import EmbeddedRedis
 from genq.keys import Keys, validate_name
 from genq.orphans import requeue_orphans
 from genq.processes import genq_command, spawn, stop, wait_for_line
-from genq.settings import connect, option, redact, redis_options
+from genq.settings import option, redis_options
 from producer.cli import enqueue_command  # `genq run` is the roles together, as the genq CLI is
 
 

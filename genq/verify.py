@@ -22,9 +22,10 @@ import redis
 from rq import Queue
 
 from genq import datasets, sources
+from genq.connection import connect
 from genq.keys import Keys
 from genq.schema import ERRORS, RAW, bit_index, parse_record_id
-from genq.settings import connect, option, redis_options
+from genq.settings import option, redis_options
 
 ID_AT_START = re.compile(rb'^\{"id":"([^"]+)"')  # genq writes the id first: no JSON parse needed
 EXAMPLES = 10

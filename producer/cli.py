@@ -11,11 +11,11 @@ import click
 import redis
 
 from genq import backends, datasets, sources
-from genq.embedded import HASH_VALUE_LIMIT
+from genq.connection import HASH_VALUE_LIMIT, connect, redact, wait_for_redis
 from genq.keys import Keys, validate_name
 from genq.sampling import Sampling, SamplingError, sampling_options
 from genq.sampling import check as check_sampling
-from genq.settings import connect, option, redact, redis_options, wait_for_redis
+from genq.settings import option, redis_options
 from genq.templates import ChatTemplate, TemplateError
 from producer import thinking
 from producer.context import Limits

@@ -30,9 +30,10 @@ from redis.retry import Retry
 
 from genq import status
 from genq.cli import main
+from genq.connection import REDIS_ENV
 from genq.embedded import free_port
 from genq.keys import Keys
-from genq.settings import REDIS_ENV, SERVER_ENV
+from genq.settings import SERVER_ENV
 from tests.helpers import (
     assert_adds_up,
     check_records,
