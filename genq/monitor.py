@@ -23,7 +23,8 @@ from rich.text import Text
 from genq import failures
 from genq.connection import connect, redact
 from genq.keys import Keys
-from genq.status import STATES, status
+from genq.progress import STATES
+from genq.status import status
 
 UNKNOWN = "unknown"
 FAILURES_EVERY_S = 30.0  # grouping failures fetches every failed job: not on every frame

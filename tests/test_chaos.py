@@ -16,7 +16,7 @@ import orjson
 import pytest
 import redis
 
-from genq import status as status_mod
+from genq import progress as status_mod
 from genq.embedded import EmbeddedRedis
 from genq.keys import Keys
 from sim.model import generate, render_chat

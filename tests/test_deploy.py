@@ -28,7 +28,7 @@ import yaml
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from genq import status
+from genq import progress as status
 from genq.cli import main
 from genq.connection import REDIS_ENV
 from genq.embedded import free_port

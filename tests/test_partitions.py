@@ -43,7 +43,7 @@ def _idle(conn, namespace: str, dataset: str) -> bool:
     reaper pass has nothing it could queue again."""
     from rq import Queue, Worker
 
-    from genq.status import worker_names
+    from genq.progress import worker_names
 
     keys = Keys(namespace)
     queue = Queue(keys.queue_name(dataset), connection=conn, serializer="json")
