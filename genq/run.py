@@ -24,8 +24,8 @@ from genq.backends import NAMES
 from genq.connection import connect, redact
 from genq.embedded import EmbeddedRedis
 from genq.keys import Keys, validate_name
-from genq.orphans import requeue_orphans
 from genq.processes import genq_command, spawn, stop, wait_for_line
+from genq.reaper import requeue_orphans
 from genq.settings import option, redis_options
 from producer.cli import enqueue_command  # `genq run` is the roles together, as the genq CLI is
 

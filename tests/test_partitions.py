@@ -58,7 +58,7 @@ def _idle(conn, namespace: str, dataset: str) -> bool:
 
 
 def _reaper_ran_since(conn, namespace: str, at: float) -> bool:
-    """A reaper pass (genq/maintenance.py, every 2 s in a worker with this TTL) began after ``at``,
+    """A reaper pass (genq/reaper.py, every 2 s in a worker with this TTL) began after ``at``,
     by Redis's clock."""
     return float(conn.get(Keys(namespace).maintenance_lock) or 0) > at
 

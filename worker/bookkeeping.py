@@ -34,7 +34,7 @@ from rq.worker import BaseWorker, WorkerStatus
 
 from genq import datasets
 from genq.keys import Keys
-from genq.maintenance import reap
+from genq.reaper import reap
 from genq.schema import KIND_ERROR, JobSpec, dumps, loads
 from worker import rq_state
 
