@@ -28,7 +28,7 @@ from collector import metrics
 from collector.checkpoint import Checkpoints, Commands, Stale
 from collector.files import Appender, cut_torn_tail, scan
 from genq import datasets as datasets_mod
-from genq import tokens
+from genq import token_counts
 from genq.bitmaps import get_bits, is_set, set_bits
 from genq.failures import reason_of
 from genq.keys import Keys
@@ -339,7 +339,7 @@ class Collector:
 
         def body(commands: Commands) -> None:
             self._mark(commands, name, kind, indexes)
-            tokens.add(commands, self.keys, name, uncounted, None, live)
+            token_counts.add(commands, self.keys, name, uncounted, None, live)
 
         for end, obj in scan(path, offset):
             index = bit_index(obj["row"], obj["sample"], samples)
@@ -465,7 +465,7 @@ class Collector:
                 get_bits(pipe, self.keys.done(name), indexes)
                 get_bits(pipe, self.keys.failed(name), indexes)
             pipe.hmget(self.keys.collector_offsets, list(synced))
-            pipe.time()  # Redis's clock, for the token rate (genq/tokens.py)
+            pipe.time()  # Redis's clock, for the token rate (genq/token_counts.py)
             *replies, stored, (sec, usec) = pipe.execute()
         kept = zip(synced.values(), stored, strict=True)
         behind = {name for (name, size), value in kept if int(value or 0) != size}
@@ -516,7 +516,7 @@ class Collector:
             for (name, kind), indexes in marks.items():
                 self._mark(commands, name, kind, indexes)
             for name, records in new_records.items():
-                tokens.add(commands, self.keys, name, records, now, live=True)
+                token_counts.add(commands, self.keys, name, records, now, live=True)
             acked: dict[str, list[bytes]] = {}
             for item, _, _ in placed:
                 if item.entry_id is not None:

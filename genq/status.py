@@ -1,5 +1,5 @@
 """What `genq status`, the monitor and the dashboard show: the five states of every dataset (from
-genq/progress.py) with what the views need around them: tokens and rates (genq/tokens.py), the
+genq/progress.py) with what the views need around them: tokens and rates (genq/token_counts.py), the
 workers alive (RQ's worker hashes with genq's fields), the collector's lag, and warnings.
 """
 
@@ -11,7 +11,7 @@ import redis
 from rq import Worker
 from rq.utils import utcparse
 
-from genq import datasets, tokens
+from genq import datasets, token_counts
 from genq.keys import Keys
 from genq.progress import STATES, dataset_counts, stream_lag, worker_names
 
@@ -59,7 +59,7 @@ def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
 
 def _with_tokens(conn: redis.Redis, keys: Keys, counts: dict[str, dict[str, int]], now: float) -> dict:
     """Each dataset's counts with its tokens, rates and ETA (None, never 0, where unknown)."""
-    buckets = tokens.window_buckets(now)
+    buckets = token_counts.window_buckets(now)
     with conn.pipeline(transaction=False) as pipe:
         for name in counts:
             pipe.hgetall(keys.tokens(name))
@@ -68,7 +68,7 @@ def _with_tokens(conn: redis.Redis, keys: Keys, counts: dict[str, dict[str, int]
     out = {}
     for i, (name, c) in enumerate(counts.items()):
         remaining = max(0, c["total"] - c["done"] - c["failed"])
-        t = tokens.read(raw[2 * i], raw[2 * i + 1], c["done"], remaining == 0, now)
+        t = token_counts.read(raw[2 * i], raw[2 * i + 1], c["done"], remaining == 0, now)
         out[name] = {
             **c,
             "prompt_tokens": t.prompt_tokens,
@@ -103,7 +103,7 @@ def totals(per_dataset: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str, Any]:
     """Everything `genq status --json` prints. ``now`` (Redis time by default) is for tests."""
-    now = now if now is not None else tokens.redis_now(conn)
+    now = now if now is not None else token_counts.redis_now(conn)
     per_dataset = _with_tokens(conn, keys, dataset_counts(conn, keys), now)
     alive = workers(conn, keys, now)
     return {
