@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import machine, write_prompts  # noqa: E402
-from genq.embedded import EmbeddedRedis, free_port  # noqa: E402
+from genq.commands.embedded import EmbeddedRedis, free_port  # noqa: E402
+from genq.commands.processes import genq_command, spawn, wait_for_line  # noqa: E402
 from genq.keys import Keys  # noqa: E402
-from genq.processes import genq_command, spawn, wait_for_line  # noqa: E402
 from genq.progress import dataset_counts  # noqa: E402
 
 TIMEOUT_S = 300.0

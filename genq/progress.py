@@ -11,7 +11,7 @@
 Also the workers registered with RQ and the collector's lag. These are in the contract because
 more than the views read them: `genq run` waits on them, the collector's metrics export the lag,
 and the tests and benchmarks count with them. The views' own figures (tokens, rates, ETA, the
-workers' fields, warnings) are in genq/status.py.
+workers' fields, warnings) are in genq/commands/status.py.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from collector.drain import Collector
+from genq.commands.embedded import EmbeddedRedis
 from genq.connection import connect
-from genq.embedded import EmbeddedRedis
 from genq.keys import Keys
 from tests.helpers import check_records, read_jsonl, snapshot, write_prompts
 

@@ -29,9 +29,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from genq import progress as status
-from genq.cli import main
+from genq.commands.cli import main
+from genq.commands.embedded import free_port
 from genq.connection import REDIS_ENV
-from genq.embedded import free_port
 from genq.keys import Keys
 from genq.settings import SERVER_ENV
 from tests.helpers import (

@@ -20,9 +20,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from genq import connection, settings
-from genq.cli import main
+from genq.commands.cli import main
+from genq.commands.embedded import free_port
 from genq.connection import REDIS_ENV, connect
-from genq.embedded import free_port
 from genq.settings import SERVER_ENV, env_name
 from tests.helpers import genq_argv, need, wait_until, write_prompts
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import redis
 
+from genq.commands.processes import spawn
 from genq.connection import HASH_VALUE_LIMIT
-from genq.processes import spawn
 
 
 def redis_binary() -> str:

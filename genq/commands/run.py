@@ -19,12 +19,13 @@ from pathlib import Path
 
 import click
 
-from genq import progress, verify
+from genq import progress
 from genq.backends import NAMES
+from genq.commands import verify
+from genq.commands.embedded import EmbeddedRedis
+from genq.commands.processes import genq_command, spawn, stop, wait_for_line
 from genq.connection import connect, redact
-from genq.embedded import EmbeddedRedis
 from genq.keys import Keys, validate_name
-from genq.processes import genq_command, spawn, stop, wait_for_line
 from genq.reaper import requeue_orphans
 from genq.settings import option, redis_options
 from producer.cli import enqueue_command  # `genq run` is the roles together, as the genq CLI is
