@@ -4,5 +4,5 @@ processes.py), `genq verify`, `genq status` and `genq monitor`, `genq dashboard`
 
 This floor sits on top of the roles: a command may import producer/, worker/, collector/, sim/
 and the contract (genq/ outside this folder); nothing below imports a command. Only
-genq/__main__.py (`python -m genq`) sits above it.
+genq/__main__.py (`python -m genq`) sits above it. `lint-imports` enforces it.
 """
