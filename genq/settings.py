@@ -8,6 +8,7 @@ Reaching Redis with these settings (URL, password, TLS, Sentinel) is genq/connec
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +54,24 @@ def redis_options(func: Callable) -> Callable:
         "GENQ_REDIS_PASSWORD or GENQ_REDIS_PASSWORD_FILE, never from the command line; for "
         "rediss://, the CA from GENQ_REDIS_CA_FILE (client certificate: GENQ_REDIS_CERT_FILE/_KEY_FILE).",
     )(func)
+
+
+def json_object(example: str) -> Callable[[click.Context, click.Parameter, str | None], dict[str, Any]]:
+    """A click callback for an option that takes a JSON object (empty: ``{}``); ``example`` is
+    shown when the value is JSON but not an object."""
+
+    def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any]:
+        if not value:
+            return {}
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise click.BadParameter(f"not JSON: {exc}") from exc
+        if not isinstance(parsed, dict):
+            raise click.BadParameter(f"expected a JSON object, e.g. {example}")
+        return parsed
+
+    return parse
 
 
 def _check_namespace(ctx: click.Context, param: click.Parameter, value: str) -> str:
