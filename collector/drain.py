@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
-from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 
@@ -34,6 +33,7 @@ from genq.failures import reason_of
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS
 from genq.logprobs import frames as logprobs_frames
+from genq.queues import rq_queue
 from genq.schema import (
     ERRORS,
     KIND_ERROR,
@@ -592,7 +592,7 @@ class Collector:
         items = []
         for name in self.held:
             settings = self._settings[name]
-            queue = Queue(self.keys.queue_name(name), connection=self.conn, serializer="json")
+            queue = rq_queue(self.conn, self.keys, name)
             ids = FailedJobRegistry(queue=queue).get_job_ids()
             if not ids:
                 continue
@@ -641,7 +641,7 @@ class Collector:
         names = [n for n in datasets_mod.load_all(self.conn, self.keys) if self._wants(n)]
         with self.conn.pipeline(transaction=False) as pipe:
             for name in names:
-                queue = Queue(self.keys.queue_name(name), connection=self.conn, serializer="json")
+                queue = rq_queue(self.conn, self.keys, name)
                 pipe.xlen(self.keys.results(name))
                 pipe.llen(queue.key)
                 pipe.llen(queue.intermediate_queue_key)

@@ -19,10 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 import redis
-from rq import Queue, Worker
+from rq import Worker
 
 from genq import datasets
 from genq.keys import Keys
+from genq.queues import rq_queue
 
 STATES = ("queued", "in_flight", "retrying", "done", "failed")
 
@@ -32,7 +33,7 @@ def dataset_counts(conn: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
     waiting = retrying_in_workers(conn, keys)
     with conn.pipeline(transaction=False) as pipe:
         for name in names:
-            queue = Queue(keys.queue_name(name), connection=conn, serializer="json")
+            queue = rq_queue(conn, keys, name)
             pipe.bitcount(keys.enqueued(name))
             pipe.llen(queue.key)
             pipe.llen(queue.intermediate_queue_key)

@@ -22,6 +22,7 @@ from rq.utils import parse_composite_key
 
 from genq import datasets
 from genq.keys import Keys
+from genq.queues import rq_queue
 
 # An id in RQ's intermediate list that no worker started within this many reaper intervals (a
 # worker moves it out in milliseconds) was dropped by a worker that died between taking it and
@@ -48,7 +49,7 @@ def reap(conn: redis.Redis, keys: Keys, interval_s: int) -> bool:
     if not conn.eval(_CLAIM, 1, keys.maintenance_lock, max(1, interval_s)):
         return False
     for name in datasets.load_all(conn, keys):
-        queue = Queue(keys.queue_name(name), connection=conn, serializer="json")
+        queue = rq_queue(conn, keys, name)
         registry = StartedJobRegistry(queue=queue, serializer="json")
         _forget_finished(conn, registry)
         # Abandoned: requeued while the job has RQ retries left, else failed (AbandonedJobError).
@@ -118,7 +119,7 @@ def requeue_orphans(conn: redis.Redis, keys: Keys) -> int:
     """Put back every job left taken or started on a Redis nothing else runs; return how many."""
     count = 0
     for name in datasets.load_all(conn, keys):
-        queue = Queue(keys.queue_name(name), connection=conn, serializer="json")
+        queue = rq_queue(conn, keys, name)
         while conn.lmove(queue.intermediate_queue_key, queue.key, "RIGHT", "LEFT") is not None:
             count += 1
         registry = queue.started_job_registry

@@ -19,11 +19,11 @@ from typing import Any
 import click
 import orjson
 import redis
-from rq import Queue
 
 from genq import datasets, sources
 from genq.connection import connect
 from genq.keys import Keys
+from genq.queues import rq_queue
 from genq.schema import ERRORS, RAW, bit_index, parse_record_id
 from genq.settings import option, redis_options
 
@@ -91,7 +91,7 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
     if settings is None:
         raise click.ClickException(f"no dataset {name!r} in namespace {keys.namespace!r}")
     samples = settings.samples
-    queue = Queue(keys.queue_name(name), connection=conn, serializer="json")
+    queue = rq_queue(conn, keys, name)
     with conn.pipeline(transaction=False) as pipe:
         pipe.get(keys.enqueued(name))
         pipe.get(keys.rejected(name))
