@@ -40,8 +40,10 @@ from genq.schema import (
     KIND_RECORD,
     RAW,
     bit_index,
+    entry_data,
+    entry_kind,
+    entry_logprobs,
     error_record,
-    loads,
     parse_record_id,
 )
 
@@ -414,10 +416,10 @@ class Collector:
         ]
 
     def _item(self, dataset: str | None, entry_id: bytes, fields: dict, stream: str | None = None) -> Item:
-        data = loads(fields[b"data"])
+        data = entry_data(fields)
         dataset = dataset or data.get("dataset", "")
         stream = stream or self.keys.results(dataset)
-        return Item(fields[b"kind"], data, entry_id, fields.get(b"lp"), dataset, stream)
+        return Item(entry_kind(fields), data, entry_id, entry_logprobs(fields), dataset, stream)
 
     def _read_legacy(self) -> list[Item]:
         """The single stream of releases before per-dataset streams (an upgrade mid-run), read

@@ -24,7 +24,7 @@ from genq import datasets, sources
 from genq.connection import connect
 from genq.keys import Keys
 from genq.queues import rq_queue
-from genq.schema import ERRORS, RAW, bit_index, parse_record_id
+from genq.schema import ERRORS, RAW, bit_index, entry_data, entry_record_id, parse_record_id
 from genq.settings import option, redis_options
 
 ID_AT_START = re.compile(rb'^\{"id":"([^"]+)"')  # genq writes the id first: no JSON parse needed
@@ -183,9 +183,8 @@ def _stream_ids(conn: redis.Redis, keys: Keys, name: str) -> list[str]:
     out = []
     for stream in (keys.results(name), keys.legacy_results):  # the second: left by an older release
         for _, fields in conn.xrange(stream):
-            data = orjson.loads(fields[b"data"])
-            if data.get("dataset") == name:
-                out.append(fields[b"id"].decode())
+            if entry_data(fields).get("dataset") == name:
+                out.append(entry_record_id(fields))
     return out
 
 
