@@ -30,10 +30,11 @@ engines:
 real-engine: $(BIN)/genq
 	bash ops/llamacpp/demo.sh out-llama
 
-# Lint, then the whole test suite against a real redis-server and the real engines.
+# Lint (ruff, then lint-imports: the floors of docs/design.md), then the whole test suite against a real redis-server and the real engines.
 test: $(BIN)/genq llama-server engines
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q
 
 bench: $(BIN)/genq

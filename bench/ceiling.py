@@ -44,9 +44,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bare_client import send_all  # noqa: E402
 from bench.common import cpu_s, machine, write_prompts  # noqa: E402
-from genq.embedded import HASH_VALUE_LIMIT, EmbeddedRedis  # noqa: E402
+from genq.commands.embedded import EmbeddedRedis  # noqa: E402
+from genq.commands.processes import genq_command, spawn, wait_for_line  # noqa: E402
+from genq.connection import HASH_VALUE_LIMIT  # noqa: E402
 from genq.keys import Keys  # noqa: E402
-from genq.processes import genq_command, spawn, wait_for_line  # noqa: E402
 
 # 16 tokens per step at 30 ms + 0.1 ms per running sequence: 1.875 ms a token, knee at 300.
 SIM = ("--latency", "realistic", "--decode-step-ms", "1.875", "--batch-knee", "300")

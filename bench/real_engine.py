@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import cpu_s, machine  # noqa: E402
-from genq.embedded import EmbeddedRedis, free_port  # noqa: E402
+from genq.commands.embedded import EmbeddedRedis, free_port  # noqa: E402
 from tests.engines import (  # noqa: E402
     EngineServer,
     engine_python,

@@ -37,10 +37,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import machine, write_prompts  # noqa: E402
-from genq.embedded import EmbeddedRedis, free_port  # noqa: E402
+from genq.commands.embedded import EmbeddedRedis, free_port  # noqa: E402
+from genq.commands.processes import genq_command, spawn, wait_for_line  # noqa: E402
 from genq.keys import Keys  # noqa: E402
-from genq.processes import genq_command, spawn, wait_for_line  # noqa: E402
-from genq.status import dataset_counts  # noqa: E402
+from genq.progress import dataset_counts  # noqa: E402
 
 TIMEOUT_S = 300.0
 LONG = ("--latency", "realistic", "--min-len", "3000", "--max-len", "3100", "--decode-step-ms", "5")

@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import cpu_s, machine, write_prompts  # noqa: E402
-from genq.embedded import EmbeddedRedis  # noqa: E402
+from genq.commands.embedded import EmbeddedRedis  # noqa: E402
+from genq.commands.processes import genq_command, spawn, wait_for_line  # noqa: E402
 from genq.keys import Keys  # noqa: E402
-from genq.processes import genq_command, spawn, wait_for_line  # noqa: E402
 
 TIMEOUT_S = 300.0
 ZERO = ("--latency", "zero", "--min-len", "16", "--max-len", "128")

@@ -16,11 +16,12 @@ import redis
 from collector import metrics
 from collector.checkpoint import Stale
 from collector.drain import Collector, LeaseHeld, WriteFailed
+from genq.connection import connect, wait_for_redis
 from genq.keys import Keys, validate_name
 from genq.logs import logging_options, setup_logging
-from genq.maintenance import reap
 from genq.metrics import metrics_options, serve
-from genq.settings import connect, option, redis_options, wait_for_redis
+from genq.reaper import reap
+from genq.settings import option, redis_options
 
 log = logging.getLogger("genq.collector")
 T = TypeVar("T")

@@ -20,21 +20,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
-from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 
 from collector import metrics
 from collector.checkpoint import Checkpoints, Commands, Stale
-from collector.files import ERRORS, RAW, Appender, cut_torn_tail, scan
+from collector.files import Appender, cut_torn_tail, scan
 from genq import datasets as datasets_mod
-from genq import tokens
+from genq import token_counts
 from genq.bitmaps import get_bits, is_set, set_bits
 from genq.failures import reason_of
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS
 from genq.logprobs import frames as logprobs_frames
-from genq.schema import KIND_ERROR, KIND_RECORD, bit_index, error_record, loads, parse_record_id
+from genq.queues import rq_queue
+from genq.schema import (
+    ERRORS,
+    KIND_ERROR,
+    KIND_RECORD,
+    RAW,
+    bit_index,
+    entry_data,
+    entry_kind,
+    entry_logprobs,
+    error_record,
+    parse_record_id,
+)
 
 log = logging.getLogger("genq.collector")
 
@@ -330,7 +341,7 @@ class Collector:
 
         def body(commands: Commands) -> None:
             self._mark(commands, name, kind, indexes)
-            tokens.add(commands, self.keys, name, uncounted, None, live)
+            token_counts.add(commands, self.keys, name, uncounted, None, live)
 
         for end, obj in scan(path, offset):
             index = bit_index(obj["row"], obj["sample"], samples)
@@ -405,10 +416,10 @@ class Collector:
         ]
 
     def _item(self, dataset: str | None, entry_id: bytes, fields: dict, stream: str | None = None) -> Item:
-        data = loads(fields[b"data"])
+        data = entry_data(fields)
         dataset = dataset or data.get("dataset", "")
         stream = stream or self.keys.results(dataset)
-        return Item(fields[b"kind"], data, entry_id, fields.get(b"lp"), dataset, stream)
+        return Item(entry_kind(fields), data, entry_id, entry_logprobs(fields), dataset, stream)
 
     def _read_legacy(self) -> list[Item]:
         """The single stream of releases before per-dataset streams (an upgrade mid-run), read
@@ -456,7 +467,7 @@ class Collector:
                 get_bits(pipe, self.keys.done(name), indexes)
                 get_bits(pipe, self.keys.failed(name), indexes)
             pipe.hmget(self.keys.collector_offsets, list(synced))
-            pipe.time()  # Redis's clock, for the token rate (genq/tokens.py)
+            pipe.time()  # Redis's clock, for the token rate (genq/token_counts.py)
             *replies, stored, (sec, usec) = pipe.execute()
         kept = zip(synced.values(), stored, strict=True)
         behind = {name for (name, size), value in kept if int(value or 0) != size}
@@ -507,7 +518,7 @@ class Collector:
             for (name, kind), indexes in marks.items():
                 self._mark(commands, name, kind, indexes)
             for name, records in new_records.items():
-                tokens.add(commands, self.keys, name, records, now, live=True)
+                token_counts.add(commands, self.keys, name, records, now, live=True)
             acked: dict[str, list[bytes]] = {}
             for item, _, _ in placed:
                 if item.entry_id is not None:
@@ -583,7 +594,7 @@ class Collector:
         items = []
         for name in self.held:
             settings = self._settings[name]
-            queue = Queue(self.keys.queue_name(name), connection=self.conn, serializer="json")
+            queue = rq_queue(self.conn, self.keys, name)
             ids = FailedJobRegistry(queue=queue).get_job_ids()
             if not ids:
                 continue
@@ -632,7 +643,7 @@ class Collector:
         names = [n for n in datasets_mod.load_all(self.conn, self.keys) if self._wants(n)]
         with self.conn.pipeline(transaction=False) as pipe:
             for name in names:
-                queue = Queue(self.keys.queue_name(name), connection=self.conn, serializer="json")
+                queue = rq_queue(self.conn, self.keys, name)
                 pipe.xlen(self.keys.results(name))
                 pipe.llen(queue.key)
                 pipe.llen(queue.intermediate_queue_key)

@@ -26,7 +26,7 @@ from typing import Any
 import click
 import orjson
 
-from collector.files import RAW
+from genq.schema import RAW
 from genq.settings import option
 from genq.templates import ChatTemplate, TemplateError
 

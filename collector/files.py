@@ -1,4 +1,7 @@
-"""The output files of one dataset: append-only JSONL, fsynced before anything is acknowledged."""
+"""The output files of one dataset: append-only JSONL, fsynced before anything is acknowledged.
+
+Their names (RAW, ERRORS) are in genq/schema.py, since export and verify read the same files.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +12,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import orjson
-
-RAW = "raw_responses.jsonl"
-ERRORS = "errors.jsonl"
 
 
 def cut_torn_tail(path: Path) -> int:

@@ -7,8 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from genq.keys import Keys
 from genq.metrics import safely
-from genq.status import stream_lag
-from genq.tokens import countable
+from genq.progress import stream_lag
+from genq.token_counts import countable
 
 # Its own registry: a process serves only its role's metrics (both roles' modules get imported).
 REGISTRY = CollectorRegistry()

@@ -13,13 +13,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import redis
-from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 
 from genq import datasets
 from genq.bitmaps import is_set
 from genq.keys import Keys
+from genq.queues import rq_queue
 from genq.schema import ABANDON_REQUEUES, bit_index, parse_record_id
 
 CLASS_RE = re.compile(r"^([a-z_]+): (.*)$", re.S)
@@ -59,7 +59,7 @@ def failures(conn: redis.Redis, keys: Keys, dataset: str | None = None) -> list[
     for name, settings in datasets.load_all(conn, keys).items():
         if dataset and name != dataset:
             continue
-        queue = Queue(keys.queue_name(name), connection=conn, serializer="json")
+        queue = rq_queue(conn, keys, name)
         ids = FailedJobRegistry(queue=queue, serializer="json").get_job_ids()
         failed_bits = conn.get(keys.failed(name)) or b""
         for job_id, job in zip(ids, Job.fetch_many(ids, conn, serializer="json"), strict=True):
@@ -93,7 +93,7 @@ def retry(conn: redis.Redis, keys: Keys, items: list[Failure]) -> tuple[int, int
     all_settings = datasets.load_all(conn, keys)
     for name, group_items in by_dataset.items():
         samples = all_settings[name].samples
-        queue = Queue(keys.queue_name(name), connection=conn, serializer="json")
+        queue = rq_queue(conn, keys, name)
         registry = FailedJobRegistry(queue=queue, serializer="json")
         for f in group_items:
             if not f.on_disk:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import difflib
 import functools
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import click
 
-from genq.settings import option
+from genq.settings import json_object, option
 
 DEFAULT_MAX_NEW_TOKENS = 2048
 INT64 = (-(2**63), 2**63 - 1)
@@ -125,18 +124,6 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from exc
 
 
-def _json_params(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any]:
-    if not value:
-        return {}
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise click.BadParameter(f"not JSON: {exc}") from exc
-    if not isinstance(parsed, dict):
-        raise click.BadParameter('expected a JSON object, e.g. {"repetition_penalty": 1.05}')
-    return parsed
-
-
 @dataclass(frozen=True)
 class Sampling:
     """The sampling settings of one command line: the flags, and ``--sampling-params``."""
@@ -214,7 +201,7 @@ def sampling_options(func: Callable) -> Callable:
         ),
         option(
             "--sampling-params",
-            callback=_json_params,
+            callback=json_object('{"repetition_penalty": 1.05}'),
             default=None,
             help="JSON object of any other sampling setting, in SGLang's names: min_p, "
             "repetition_penalty, frequency_penalty, presence_penalty, stop, stop_regex, ignore_eos, "

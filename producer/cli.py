@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 import redis
 
-from genq import backends, datasets
-from genq.embedded import HASH_VALUE_LIMIT
+from genq import backends, datasets, sources
+from genq.connection import HASH_VALUE_LIMIT, connect, redact, wait_for_redis
 from genq.keys import Keys, validate_name
 from genq.sampling import Sampling, SamplingError, sampling_options
 from genq.sampling import check as check_sampling
-from genq.settings import connect, option, redact, redis_options, wait_for_redis
+from genq.settings import json_object, option, redis_options
 from genq.templates import ChatTemplate, TemplateError
-from producer import sources, thinking
+from producer import thinking
 from producer.context import Limits
 from producer.enqueue import Options, Summary, enqueue_dataset
 from producer.formats import CHAT_FORMATS, FIELDS, FORMATS, Shape
@@ -46,18 +44,6 @@ def _fields(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     return out
 
 
-def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any]:
-    if not value:
-        return {}
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise click.BadParameter(f"not JSON: {exc}") from exc
-    if not isinstance(parsed, dict):
-        raise click.BadParameter('expected a JSON object, e.g. {"enable_thinking": true}')
-    return parsed
-
-
 @click.command("enqueue")
 @click.argument("files", nargs=-1, required=True)
 @option("--dataset", default=None, help="Dataset name (default: the first file's stem).")
@@ -84,7 +70,7 @@ def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) 
 )
 @option(
     "--chat-template-kwargs",
-    callback=_json_object,
+    callback=json_object('{"enable_thinking": true}'),
     default=None,
     help='JSON object passed to the chat template, e.g. {"enable_thinking": true}.',
 )

@@ -21,19 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from rq import Queue
 
-from genq import datasets
+from genq import datasets, sources
 from genq.bitmaps import is_set, set_bits
 from genq.conversation import first_turn
 from genq.keys import Keys
+from genq.queues import rq_queue
 from genq.schema import ABANDON_REQUEUES, JobSpec, bit_index, record_id
+from genq.sources import SourceError
 from genq.templates import ChatTemplate
-from producer import rq_jobs, sources
+from producer import rq_jobs
 from producer.context import Limits, check_fits, check_vocab
 from producer.formats import Shape
 from producer.readers import Rejected, Row, read_dataset
-from producer.sources import SourceError
 
 BATCH = 1000
 RENDER_BATCH = 256  # conversations per apply_chat_template call
@@ -231,7 +231,7 @@ class _Pusher:
         expected_rows: int | None,
     ):
         self.conn, self.keys, self.settings, self.options = conn, keys, settings, options
-        self.queue = Queue(keys.queue_name(settings.name), connection=conn, serializer="json")
+        self.queue = rq_queue(conn, keys, settings.name)
         self.size = BATCH if options.max_queued is None else max(1, min(BATCH, options.max_queued // 2))
         self.expected_jobs = expected_rows * settings.samples if expected_rows is not None else None
         self.batch: list[tuple[int, rq_jobs.Job]] = []

@@ -3,7 +3,7 @@
 Yields :class:`Row` objects (a parsed prompt) and :class:`Rejected` objects (a row that cannot be
 used, with the reason) in file order. A row's number counts every record of the dataset's sources
 from 0, valid or not, so row numbers (and job ids) never depend on what is wrong with a row. File
-kinds plug in through :mod:`producer.sources`, row shapes through :mod:`producer.formats`.
+kinds plug in through :mod:`genq.sources`, row shapes through :mod:`producer.formats`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from producer import sources
+from genq import sources
+from genq.sources import SourceError
 from producer.formats import Prompt, RowError, Shape, ShapeError
-from producer.sources import SourceError
 
 
 @dataclass

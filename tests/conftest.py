@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from genq.embedded import EmbeddedRedis
-from genq.processes import wait_for_line
+from genq.commands.embedded import EmbeddedRedis
+from genq.commands.processes import wait_for_line
 from tests.dataset_helpers import build_tokenizer
 from tests.helpers import Procs
 

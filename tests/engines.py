@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 import pytest
 
-from genq.embedded import free_port
+from genq.commands.embedded import free_port
 from tests.helpers import server_up, wait_until
 from tests.llama import tiny_prompts
 

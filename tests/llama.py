@@ -16,7 +16,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from genq.embedded import free_port
+from genq.commands.embedded import free_port
 from tests.helpers import server_up, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import threading
 
-from genq.embedded import free_port
+from genq.commands.embedded import free_port
 
 
 class Proxy:

@@ -9,7 +9,7 @@ import pytest
 from rq import Queue
 
 from genq.keys import Keys
-from genq.status import STATES, dataset_counts
+from genq.progress import STATES, dataset_counts
 from tests.helpers import check_records, log_of, sigkill, stop, wait_until, write_prompts
 
 PARAMS = {"max_new_tokens": 64}

@@ -16,8 +16,8 @@ import orjson
 import pytest
 import redis
 
-from genq import status as status_mod
-from genq.embedded import EmbeddedRedis
+from genq import progress as status_mod
+from genq.commands.embedded import EmbeddedRedis
 from genq.keys import Keys
 from sim.model import generate, render_chat
 from tests.helpers import Procs, log_of, read_jsonl, sigkill, sim_stats, stop, wait_until, write_jsonl

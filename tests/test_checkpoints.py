@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from collector.drain import Collector
-from genq.embedded import EmbeddedRedis
+from genq.commands.embedded import EmbeddedRedis
+from genq.connection import connect
 from genq.keys import Keys
-from genq.settings import connect
 from tests.helpers import check_records, read_jsonl, snapshot, write_prompts
 
 PARAMS = {"max_new_tokens": 100}

@@ -23,7 +23,7 @@ from typing import NoReturn
 import orjson
 import pytest
 
-from genq.embedded import EmbeddedRedis, free_port
+from genq.commands.embedded import EmbeddedRedis, free_port
 from sim.model import tokenize
 from tests.helpers import (
     assert_adds_up,

@@ -10,8 +10,8 @@ import subprocess
 import orjson
 import redis
 
-from genq.dashboard_app import create_app
-from genq.embedded import free_port
+from genq.commands.dashboard_app import create_app
+from genq.commands.embedded import free_port
 from genq.keys import Keys
 from tests.helpers import (
     assert_adds_up,

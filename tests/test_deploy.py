@@ -28,11 +28,12 @@ import yaml
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from genq import status
-from genq.cli import main
-from genq.embedded import free_port
+from genq import progress as status
+from genq.commands.cli import main
+from genq.commands.embedded import free_port
+from genq.connection import REDIS_ENV
 from genq.keys import Keys
-from genq.settings import REDIS_ENV, SERVER_ENV
+from genq.settings import SERVER_ENV
 from tests.helpers import (
     assert_adds_up,
     check_records,

@@ -19,7 +19,7 @@ import orjson
 import pytest
 import redis
 
-from genq.embedded import EmbeddedRedis, free_port, redis_binary
+from genq.commands.embedded import EmbeddedRedis, free_port, redis_binary
 from tests.helpers import check_records, log_of, read_jsonl, snapshot, status_json, wait_until, write_prompts
 
 pytestmark = pytest.mark.slow  # Redis snapshots, Sentinel failovers: each test runs a minute or more

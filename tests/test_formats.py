@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 from rq import Queue
 
+from genq import sources
 from genq.keys import Keys
-from producer import sources
+from genq.sources import SourceError
 from producer.formats import Shape
 from producer.readers import Rejected, Row, read_dataset
-from producer.sources import SourceError
 from tests.helpers import write_jsonl
 
 CONVERSATION = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from genq.embedded import free_port
+from genq.commands.embedded import free_port
 from tests.helpers import log_of, sim_stats, status_json, stop, wait_until, write_prompts
 
 

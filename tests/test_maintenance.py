@@ -1,9 +1,9 @@
-"""The reaper's schedule (genq/maintenance.py): one reap per caller's interval across the namespace."""
+"""The reaper's schedule (genq/reaper.py): one reap per caller's interval across the namespace."""
 
 from __future__ import annotations
 
 from genq.keys import Keys
-from genq.maintenance import reap
+from genq.reaper import reap
 
 
 def test_a_long_interval_never_holds_back_a_short_one(conn, namespace):

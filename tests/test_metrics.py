@@ -6,7 +6,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from genq.embedded import free_port
+from genq.commands.embedded import free_port
 from tests.helpers import log_of, read_jsonl, sim_stats, status_json, wait_until, write_prompts
 
 

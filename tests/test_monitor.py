@@ -8,7 +8,7 @@ import select
 import signal
 import subprocess
 
-from genq.embedded import free_port
+from genq.commands.embedded import free_port
 from tests.helpers import (
     genq_argv,
     log_of,

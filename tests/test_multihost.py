@@ -30,7 +30,7 @@ from rq import Queue
 from rq.job import Job
 from rq.worker import Worker
 
-from genq import status as status_mod
+from genq import progress as status_mod
 from genq.bitmaps import is_set
 from genq.keys import Keys
 from tests import netns

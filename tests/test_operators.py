@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from genq.embedded import free_port
+from genq.commands.embedded import free_port
 from tests.helpers import (
     check_records,
     http,

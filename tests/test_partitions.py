@@ -43,7 +43,7 @@ def _idle(conn, namespace: str, dataset: str) -> bool:
     reaper pass has nothing it could queue again."""
     from rq import Queue, Worker
 
-    from genq.status import worker_names
+    from genq.progress import worker_names
 
     keys = Keys(namespace)
     queue = Queue(keys.queue_name(dataset), connection=conn, serializer="json")
@@ -58,7 +58,7 @@ def _idle(conn, namespace: str, dataset: str) -> bool:
 
 
 def _reaper_ran_since(conn, namespace: str, at: float) -> bool:
-    """A reaper pass (genq/maintenance.py, every 2 s in a worker with this TTL) began after ``at``,
+    """A reaper pass (genq/reaper.py, every 2 s in a worker with this TTL) began after ``at``,
     by Redis's clock."""
     return float(conn.get(Keys(namespace).maintenance_lock) or 0) > at
 

@@ -13,7 +13,7 @@ import orjson
 import pytest
 from rq import Queue
 
-from genq.embedded import EmbeddedRedis, free_port
+from genq.commands.embedded import EmbeddedRedis, free_port
 from genq.keys import Keys
 from tests.helpers import (
     assert_adds_up,

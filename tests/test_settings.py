@@ -19,10 +19,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from genq import settings
-from genq.cli import main
-from genq.embedded import free_port
-from genq.settings import REDIS_ENV, SERVER_ENV, connect, env_name
+from genq import connection, settings
+from genq.commands.cli import main
+from genq.commands.embedded import free_port
+from genq.connection import REDIS_ENV, connect
+from genq.settings import SERVER_ENV, env_name
 from tests.helpers import genq_argv, need, wait_until, write_prompts
 
 
@@ -246,8 +247,8 @@ def test_tls_settings_leave_plain_urls_alone(monkeypatch):
 
 def test_connection_variables_are_all_listed():
     """REDIS_ENV and SERVER_ENV (what the env examples must carry) name every variable settings.py
-    reads (a secret X is read from GENQ_X_FILE or GENQ_X)."""
-    source = inspect.getsource(settings)
+    and connection.py read (a secret X is read from GENQ_X_FILE or GENQ_X)."""
+    source = inspect.getsource(settings) + inspect.getsource(connection)
     read = set(re.findall(r"""environ(?:\.get)?\(?\[?\s*["'](GENQ_[A-Z0-9_]+)["']""", source))
     tls = set(re.findall(r'"(GENQ_REDIS_[A-Z_]+_FILE)"', source))
     secrets = {f"GENQ_{n}{t}" for n in re.findall(r'secret\("([A-Z_]+)"\)', source) for t in ("", "_FILE")}

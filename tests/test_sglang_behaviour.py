@@ -15,7 +15,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from genq.embedded import free_port
+from genq.commands.embedded import free_port
 from sim.model import VOCAB_SIZE, generate
 from tests.helpers import (
     check_records,

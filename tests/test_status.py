@@ -9,9 +9,9 @@ import pytest
 from rq.utils import utcformat
 
 from genq import datasets
+from genq.commands.status import status
 from genq.keys import Keys
-from genq.status import status
-from genq.tokens import BUCKET_S
+from genq.token_counts import BUCKET_S
 from sim.model import generate
 from tests.helpers import (
     assert_adds_up,

@@ -34,8 +34,8 @@ from rq.worker import BaseWorker, WorkerStatus
 
 from genq import datasets
 from genq.keys import Keys
-from genq.maintenance import reap
-from genq.schema import KIND_ERROR, JobSpec, dumps, loads
+from genq.reaper import reap
+from genq.schema import KIND_ERROR, JobSpec, dumps, loads, stream_entry
 from worker import rq_state
 
 log = logging.getLogger("genq.worker")
@@ -308,9 +308,7 @@ class Bookkeeper(BaseWorker):
     def _hand_over(self, pipe, finished: list[Finished]) -> None:
         """Add results to the stream, counted per dataset, and forget the jobs' attempt counters."""
         for f in finished:
-            entry = {"kind": f.kind, "id": f.taken.spec.id, "data": dumps(f.data)}
-            if f.logprobs is not None:
-                entry["lp"] = f.logprobs
+            entry = stream_entry(f.kind, f.taken.spec.id, f.data, f.logprobs)
             pipe.xadd(self.keys.results(f.taken.spec.dataset), entry)
         for dataset, n in Counter(f.taken.spec.dataset for f in finished).items():
             pipe.hincrby(self.keys.in_stream, dataset, n)

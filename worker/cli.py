@@ -7,10 +7,11 @@ import asyncio
 import click
 
 from genq.backends import NAMES, Http
+from genq.connection import connect, wait_for_redis
 from genq.keys import Keys
 from genq.logs import logging_options, setup_logging
 from genq.metrics import metrics_options, serve
-from genq.settings import connect, option, redis_options, wait_for_redis
+from genq.settings import option, redis_options
 from worker import metrics
 from worker.daemon import Worker, WorkerConfig
 

@@ -13,7 +13,7 @@ bin=.venv/bin
 server=$(bash ops/llamacpp/build-server.sh | tail -1)
 mkdir -p "$out/model"
 "$bin/python" ops/llamacpp/tiny_model.py "$out/model/tiny.gguf" --hf-tokenizer "$out/model/tokenizer" 2>/dev/null
-port=$("$bin/python" -c 'from genq.embedded import free_port; print(free_port())')
+port=$("$bin/python" -c 'from genq.commands.embedded import free_port; print(free_port())')
 "$server" -m "$out/model/tiny.gguf" --host 127.0.0.1 --port "$port" -t 1 --parallel 8 -c 4096 \
   >"$out/model/llama-server.log" 2>&1 &
 llama=$!

@@ -1,4 +1,4 @@
-"""`genq dashboard`: rq-dashboard for genq (the app and its fixes are in genq/dashboard_app.py).
+"""`genq dashboard`: rq-dashboard for genq (the app and its fixes are in genq/commands/dashboard_app.py).
 
 Served by werkzeug on 127.0.0.1:9181 unless told otherwise, with HTTP basic auth when
 GENQ_DASHBOARD_PASSWORD (or GENQ_DASHBOARD_PASSWORD_FILE) is set. Flask and rq-dashboard are
@@ -11,7 +11,8 @@ import logging
 
 import click
 
-from genq.settings import option, redact, redis_options, secret
+from genq.connection import redact
+from genq.settings import option, redis_options, secret
 
 LOCAL = ("127.0.0.1", "localhost", "::1")
 
@@ -38,7 +39,7 @@ def dashboard_command(port: int, bind: str, username: str, redis_url: str, names
     """
     from werkzeug.serving import run_simple
 
-    from genq.dashboard_app import create_app
+    from genq.commands.dashboard_app import create_app
 
     password = dashboard_password()
     if not password and bind not in LOCAL:

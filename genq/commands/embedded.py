@@ -17,11 +17,8 @@ from pathlib import Path
 
 import redis
 
-from genq.processes import spawn
-
-# Redis keeps a hash as a compact listpack while every value is at most this long (default 64):
-# a genq job's payload is longer, and a hashtable costs it ~340 bytes more.
-HASH_VALUE_LIMIT = 1024
+from genq.commands.processes import spawn
+from genq.connection import HASH_VALUE_LIMIT
 
 
 def redis_binary() -> str:

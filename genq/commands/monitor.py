@@ -1,6 +1,6 @@
 """`genq monitor`: a live terminal view of a run, and the tables `genq status` prints.
 
-Everything shown comes from :func:`genq.status.status`, so the monitor, `status --json` and the
+Everything shown comes from :func:`genq.commands.status.status`, so the monitor, `status --json` and the
 files agree. Built for ssh: 80 columns, no mouse, redraws in place every few seconds, Ctrl-C
 quits with status 0. When Redis does not answer it says so, and keeps trying, instead of
 drawing zeros.
@@ -21,9 +21,10 @@ from rich.table import Table
 from rich.text import Text
 
 from genq import failures
+from genq.commands.status import status
+from genq.connection import connect, redact
 from genq.keys import Keys
-from genq.settings import connect, redact
-from genq.status import STATES, status
+from genq.progress import STATES
 
 UNKNOWN = "unknown"
 FAILURES_EVERY_S = 30.0  # grouping failures fetches every failed job: not on every frame

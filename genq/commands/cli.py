@@ -13,10 +13,11 @@ from rich.console import Console
 from rich.table import Table
 
 from genq import __version__, failures
-from genq import monitor as monitor_view
+from genq.commands import monitor as monitor_view
+from genq.commands.status import status
+from genq.connection import connect, redact
 from genq.keys import Keys
-from genq.settings import connect, option, redact, redis_options
-from genq.status import status
+from genq.settings import option, redis_options
 
 # Each role's command, imported only when it runs (click's lazily loaded subcommands): a worker
 # starts without loading the collector, the dataset readers or the simulator.
@@ -26,9 +27,9 @@ ROLES = {
     "collect": "collector.cli.collect_command",
     "export": "collector.export.export_command",
     "stats": "collector.stats.stats_command",
-    "dashboard": "genq.dashboard.dashboard_command",
-    "run": "genq.run.run_command",
-    "verify": "genq.verify.verify_command",
+    "dashboard": "genq.commands.dashboard.dashboard_command",
+    "run": "genq.commands.run.run_command",
+    "verify": "genq.commands.verify.verify_command",
     "sim-server": "sim.cli.sim_server",
 }
 

@@ -19,14 +19,15 @@ from pathlib import Path
 
 import click
 
-from genq import status as status_mod
-from genq import verify
+from genq import progress
 from genq.backends import NAMES
-from genq.embedded import EmbeddedRedis
+from genq.commands import verify
+from genq.commands.embedded import EmbeddedRedis
+from genq.commands.processes import genq_command, spawn, stop, wait_for_line
+from genq.connection import connect, redact
 from genq.keys import Keys, validate_name
-from genq.orphans import requeue_orphans
-from genq.processes import genq_command, spawn, stop, wait_for_line
-from genq.settings import connect, option, redact, redis_options
+from genq.reaper import requeue_orphans
+from genq.settings import option, redis_options
 from producer.cli import enqueue_command  # `genq run` is the roles together, as the genq CLI is
 
 
@@ -197,7 +198,7 @@ def run_command(
         for proc in pool:
             stop(proc, 90)
         stop(collector, 60)
-        counts = status_mod.dataset_counts(conn, keys)
+        counts = progress.dataset_counts(conn, keys)
         for name, c in counts.items():
             click.echo(f"{name}: {c['done']} done, {c['failed']} failed of {c['total']} -> {out / name}")
         # The audit: every job of every dataset exactly once, on disk (genq verify).
@@ -258,7 +259,7 @@ def _follow(conn, keys: Keys, pool, collector, worker_argv, logs: Path, env) -> 
     tty = sys.stderr.isatty()
     last_print = 0.0
     while True:
-        counts = status_mod.dataset_counts(conn, keys)
+        counts = progress.dataset_counts(conn, keys)
         total = sum(c["total"] for c in counts.values())
         done = sum(c["done"] for c in counts.values())
         failed = sum(c["failed"] for c in counts.values())
@@ -276,7 +277,7 @@ def _follow(conn, keys: Keys, pool, collector, worker_argv, logs: Path, env) -> 
         elif time.monotonic() - last_print >= 5:
             click.echo(line, err=True)
             last_print = time.monotonic()
-        if status_mod.finished(counts) and status_mod.stream_lag(conn, keys)["length"] == 0:
+        if progress.finished(counts) and progress.stream_lag(conn, keys)["length"] == 0:
             if tty:
                 click.echo("", err=True)
             click.echo(line, err=True)

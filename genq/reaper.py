@@ -1,8 +1,13 @@
-"""Bring back jobs whose worker died, every few seconds, whoever runs it (workers and collector).
+"""Bring back jobs whose worker died: the one home of every way genq puts abandoned jobs back.
 
-RQ itself does this only in worker maintenance every 10 minutes or on `rq info`; genq's
-promise is that a killed worker's jobs run again within its heartbeat TTL plus one interval
-here, whether or not anyone runs `rq info`.
+:func:`reap` runs every few seconds, whoever runs it (workers and collector). RQ itself does this
+only in worker maintenance every 10 minutes or on `rq info`; genq's promise is that a killed
+worker's jobs run again within its heartbeat TTL plus one interval here, whether or not anyone
+runs `rq info`.
+
+:func:`requeue_orphans` is for a private Redis of `genq run`: every worker that ever used it was a
+child of an earlier run, so everything still marked started was orphaned and goes back to the
+front of its queue at once, instead of after the heartbeat TTL.
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ import redis
 from rq import Queue, worker_registration
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
+from rq.utils import parse_composite_key
 
 from genq import datasets
 from genq.keys import Keys
+from genq.queues import rq_queue
 
 # An id in RQ's intermediate list that no worker started within this many reaper intervals (a
 # worker moves it out in milliseconds) was dropped by a worker that died between taking it and
@@ -42,7 +49,7 @@ def reap(conn: redis.Redis, keys: Keys, interval_s: int) -> bool:
     if not conn.eval(_CLAIM, 1, keys.maintenance_lock, max(1, interval_s)):
         return False
     for name in datasets.load_all(conn, keys):
-        queue = Queue(keys.queue_name(name), connection=conn, serializer="json")
+        queue = rq_queue(conn, keys, name)
         registry = StartedJobRegistry(queue=queue, serializer="json")
         _forget_finished(conn, registry)
         # Abandoned: requeued while the job has RQ retries left, else failed (AbandonedJobError).
@@ -106,3 +113,24 @@ def _requeue_stranded(conn: redis.Redis, keys: Keys, queue: Queue, after_s: floa
                 pipe.lpush(queue.key, job_id)
             pipe.hdel(keys.stranded(queue.name), job_id)
             pipe.execute()
+
+
+def requeue_orphans(conn: redis.Redis, keys: Keys) -> int:
+    """Put back every job left taken or started on a Redis nothing else runs; return how many."""
+    count = 0
+    for name in datasets.load_all(conn, keys):
+        queue = rq_queue(conn, keys, name)
+        while conn.lmove(queue.intermediate_queue_key, queue.key, "RIGHT", "LEFT") is not None:
+            count += 1
+        registry = queue.started_job_registry
+        for entry in conn.zrange(registry.key, 0, -1):
+            job_id, execution_id = parse_composite_key(entry.decode())
+            with conn.pipeline() as pipe:
+                pipe.zrem(registry.key, entry)
+                pipe.delete(f"rq:execution:{job_id}:{execution_id}", f"rq:executions:{job_id}")
+                if Job.exists(job_id, connection=conn):
+                    job = Job.fetch(job_id, connection=conn, serializer="json")
+                    queue._enqueue_job(job, pipeline=pipe, at_front=True)
+                    count += 1
+                pipe.execute()
+    return count

@@ -15,7 +15,7 @@ Built from rq-dashboard's own blueprint; only these are replaced (FACTS.md, chec
   longer account for;
 - one Redis connection made by genq (password file, TLS) instead of one per request.
 
-The command is genq/dashboard.py; this module (Flask, rq-dashboard) is imported only by it.
+The command is genq/commands/dashboard.py; this module (Flask, rq-dashboard) is imported only by it.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from rq.serializers import JSONSerializer
 from rq_dashboard import web
 
 from genq import datasets, failures
+from genq.connection import connect
 from genq.keys import Keys, validate_name
-from genq.settings import connect
 
 log = logging.getLogger("genq.dashboard")
 BLUEPRINT = "rq_dashboard"

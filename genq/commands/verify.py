@@ -19,14 +19,13 @@ from typing import Any
 import click
 import orjson
 import redis
-from rq import Queue
 
-from collector.files import ERRORS, RAW
-from genq import datasets
+from genq import datasets, sources
+from genq.connection import connect
 from genq.keys import Keys
-from genq.schema import bit_index, parse_record_id
-from genq.settings import connect, option, redis_options
-from producer import sources
+from genq.queues import rq_queue
+from genq.schema import ERRORS, RAW, bit_index, entry_data, entry_record_id, parse_record_id
+from genq.settings import option, redis_options
 
 ID_AT_START = re.compile(rb'^\{"id":"([^"]+)"')  # genq writes the id first: no JSON parse needed
 EXAMPLES = 10
@@ -92,7 +91,7 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
     if settings is None:
         raise click.ClickException(f"no dataset {name!r} in namespace {keys.namespace!r}")
     samples = settings.samples
-    queue = Queue(keys.queue_name(name), connection=conn, serializer="json")
+    queue = rq_queue(conn, keys, name)
     with conn.pipeline(transaction=False) as pipe:
         pipe.get(keys.enqueued(name))
         pipe.get(keys.rejected(name))
@@ -184,9 +183,8 @@ def _stream_ids(conn: redis.Redis, keys: Keys, name: str) -> list[str]:
     out = []
     for stream in (keys.results(name), keys.legacy_results):  # the second: left by an older release
         for _, fields in conn.xrange(stream):
-            data = orjson.loads(fields[b"data"])
-            if data.get("dataset") == name:
-                out.append(fields[b"id"].decode())
+            if entry_data(fields).get("dataset") == name:
+                out.append(entry_record_id(fields))
     return out
 
 

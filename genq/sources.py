@@ -11,6 +11,10 @@ library's C scanner one element at a time so line numbers stay exact, or JSON Li
 does not start with ``[``); Parquet (``pyarrow``, in record batches); a folder: a Hugging Face
 dataset saved with ``save_to_disk`` (memory-mapped) or a local dataset folder (``datasets``,
 streamed, offline).
+
+It sits in the contract, not in producer/, because two floors read sources: `genq enqueue` numbers
+rows from them and `genq verify` counts the same rows the same way, so the two can never disagree
+about which jobs a dataset should have.
 """
 
 from __future__ import annotations

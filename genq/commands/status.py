@@ -1,0 +1,133 @@
+"""What `genq status`, the monitor and the dashboard show: the five states of every dataset (from
+genq/progress.py) with what the views need around them: tokens and rates (genq/token_counts.py), the
+workers alive (RQ's worker hashes with genq's fields), the collector's lag, and warnings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from rq import Worker
+from rq.utils import utcparse
+
+from genq import datasets, token_counts
+from genq.keys import Keys
+from genq.progress import STATES, dataset_counts, stream_lag, worker_names
+
+
+def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
+    """Workers alive: RQ's fields (host, pid, jobs done and failed, heartbeat) and genq's (server,
+    in flight, retrying, failed attempts), the latter None until the worker's first report."""
+    names = worker_names(conn, keys)
+    with conn.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.hgetall(Worker.redis_worker_namespace_prefix + name)
+        hashes = pipe.execute()
+    out = []
+    for name, raw in zip(names, hashes, strict=True):
+        if not raw:
+            continue
+        h = {k.decode(): v.decode() for k, v in raw.items()}
+        beat = utcparse(h["last_heartbeat"]).timestamp() if h.get("last_heartbeat") else None
+
+        def num(field: str, h: dict = h) -> int | None:
+            return int(h[field]) if field in h else None
+
+        out.append(
+            {
+                "name": name,
+                "host": h.get("hostname"),
+                "pid": num("pid"),
+                "server": h.get("genq_server"),
+                "state": h.get("state"),
+                "in_flight": num("genq_in_flight"),
+                "retrying": num("genq_retrying"),
+                "done": num("successful_job_count") or 0,
+                "failed": num("failed_job_count") or 0,
+                "retries": num("genq_retries"),
+                "backend": h.get("genq_backend"),
+                "server_version": h.get("genq_version"),
+                "model": h.get("genq_model"),
+                "seeds": {"True": True, "False": False}.get(h.get("genq_seeds", "")),
+                "last_heartbeat": h.get("last_heartbeat"),
+                "heartbeat_age_s": round(max(0.0, now - beat), 1) if beat is not None else None,
+            }
+        )
+    return out
+
+
+def _with_tokens(conn: redis.Redis, keys: Keys, counts: dict[str, dict[str, int]], now: float) -> dict:
+    """Each dataset's counts with its tokens, rates and ETA (None, never 0, where unknown)."""
+    buckets = token_counts.window_buckets(now)
+    with conn.pipeline(transaction=False) as pipe:
+        for name in counts:
+            pipe.hgetall(keys.tokens(name))
+            pipe.mget([keys.rate_bucket(name, b) for b in buckets])
+        raw = pipe.execute()
+    out = {}
+    for i, (name, c) in enumerate(counts.items()):
+        remaining = max(0, c["total"] - c["done"] - c["failed"])
+        t = token_counts.read(raw[2 * i], raw[2 * i + 1], c["done"], remaining == 0, now)
+        out[name] = {
+            **c,
+            "prompt_tokens": t.prompt_tokens,
+            "completion_tokens": t.completion_tokens,
+            "avg_completion_tokens": _round(t.avg_completion_tokens),
+            "cut": t.cut,
+            "tokens_per_s": _round(t.tokens_per_s),
+            "tokens_per_s_since_start": _round(t.tokens_per_s_since_start),
+            "eta_s": _round(t.eta_s(remaining)),
+        }
+    return out
+
+
+def totals(per_dataset: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """All datasets together. ETA: the work left in tokens over the summed recent rate."""
+    rows = list(per_dataset.values())
+    out: dict[str, Any] = {k: sum(r[k] for r in rows) for k in ("total", *STATES)}
+    for k in ("prompt_tokens", "completion_tokens"):
+        out[k] = None if any(r[k] is None for r in rows) else sum(r[k] for r in rows)
+    rates = [r["tokens_per_s"] for r in rows if r["tokens_per_s"] is not None]
+    out["tokens_per_s"] = _round(sum(rates)) if rates else None
+    left = [(r["total"] - r["done"] - r["failed"], r["avg_completion_tokens"]) for r in rows]
+    left = [(n, avg) for n, avg in left if n > 0]
+    if not left:
+        out["eta_s"] = 0.0
+    elif any(avg is None for _, avg in left) or not out["tokens_per_s"]:
+        out["eta_s"] = None
+    else:
+        out["eta_s"] = _round(sum(n * avg for n, avg in left) / out["tokens_per_s"])
+    return out
+
+
+def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str, Any]:
+    """Everything `genq status --json` prints. ``now`` (Redis time by default) is for tests."""
+    now = now if now is not None else token_counts.redis_now(conn)
+    per_dataset = _with_tokens(conn, keys, dataset_counts(conn, keys), now)
+    alive = workers(conn, keys, now)
+    return {
+        "namespace": keys.namespace,
+        "datasets": per_dataset,
+        "totals": totals(per_dataset),
+        "workers": alive,
+        "stream": stream_lag(conn, keys, now),
+        "warnings": warnings(datasets.load_all(conn, keys), alive),
+    }
+
+
+def warnings(settings: dict[str, datasets.DatasetSettings], alive: list[dict[str, Any]]) -> list[str]:
+    """What the numbers alone do not show: samples that rely on seeds a server ignores."""
+    ignoring = sorted({w["server"] or "?" for w in alive if w["seeds"] is False})
+    out = []
+    for name, s in settings.items():
+        if ignoring and ("sampling_seed" in s.sampling_params or s.samples > 1):
+            out.append(
+                f"{name}: its samples rely on sampling_seed, which {', '.join(ignoring)} ignores "
+                "(SGLang without --enable-deterministic-inference): they are not reproducible"
+            )
+    return out
+
+
+def _round(value: float | None) -> float | None:
+    return round(value, 1) if value is not None else None

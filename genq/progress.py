@@ -1,0 +1,122 @@
+"""Where every job is, read from Redis alone: the five states of docs/design.md add up to the total.
+
+- queued:    in the dataset's RQ queue (or RQ's intermediate list on its way to a worker), or still
+             in the dataset's files, held back by ``enqueue --max-queued`` (the ``in_source`` hash)
+- in_flight: started on a worker (RQ's StartedJobRegistry), or a result in the stream not yet on disk
+- retrying:  scheduled by RQ for a later retry, or waiting in a worker between two attempts (the
+             worker's ``retrying`` hash; those jobs are in the StartedJobRegistry too and move here)
+- done:      record on disk (``done`` bitmap, set only after fsync)
+- failed:    error on disk (``failed`` bitmap)
+
+Also the workers registered with RQ and the collector's lag. These are in the contract because
+more than the views read them: `genq run` waits on them, the collector's metrics export the lag,
+and the tests and benchmarks count with them. The views' own figures (tokens, rates, ETA, the
+workers' fields, warnings) are in genq/commands/status.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from rq import Worker
+
+from genq import datasets
+from genq.keys import Keys
+from genq.queues import rq_queue
+
+STATES = ("queued", "in_flight", "retrying", "done", "failed")
+
+
+def dataset_counts(conn: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
+    names = list(datasets.load_all(conn, keys))
+    waiting = retrying_in_workers(conn, keys)
+    with conn.pipeline(transaction=False) as pipe:
+        for name in names:
+            queue = rq_queue(conn, keys, name)
+            pipe.bitcount(keys.enqueued(name))
+            pipe.llen(queue.key)
+            pipe.llen(queue.intermediate_queue_key)
+            pipe.zcard(queue.started_job_registry.key)
+            pipe.hget(keys.in_stream, name)
+            pipe.zcard(queue.scheduled_job_registry.key)
+            pipe.bitcount(keys.done(name))
+            pipe.bitcount(keys.failed(name))
+        pipe.hgetall(keys.in_source)  # in the same round trip as the bitmaps: a push moves both at once
+        *raw, in_source = pipe.execute()
+    unread = {name.decode(): int(n) for name, n in in_source.items()}
+    out: dict[str, dict[str, int]] = {}
+    for i, name in enumerate(names):
+        total, queued, moving, started, streamed, scheduled, done, failed = raw[i * 8 : i * 8 + 8]
+        backoff = min(waiting.get(name, 0), started)  # a count can only be ahead of RQ's, briefly
+        total += unread.get(name, 0)
+        counts = {
+            "total": total,
+            "queued": queued + moving + unread.get(name, 0),
+            "in_flight": started - backoff + int(streamed or 0),
+            "retrying": scheduled + backoff,
+            "done": done,
+            "failed": failed,
+        }
+        counts["unaccounted"] = total - sum(counts[s] for s in STATES)
+        out[name] = counts
+    return out
+
+
+def worker_names(conn: redis.Redis, keys: Keys) -> list[str]:
+    """This namespace's workers registered with RQ (a dead one lingers until its hash expires)."""
+    head = Worker.redis_worker_namespace_prefix + keys.worker_prefix
+    return sorted(
+        k[len(Worker.redis_worker_namespace_prefix) :] for k in Worker.all_keys(conn) if k.startswith(head)
+    )
+
+
+def retrying_in_workers(conn: redis.Redis, keys: Keys) -> dict[str, int]:
+    """Per dataset, jobs the workers hold between two attempts."""
+    with conn.pipeline(transaction=False) as pipe:
+        for name in worker_names(conn, keys):
+            pipe.hgetall(keys.retrying(name))
+        per_worker = pipe.execute()
+    out: dict[str, int] = {}
+    for counts in per_worker:
+        for dataset, n in counts.items():
+            out[dataset.decode()] = out.get(dataset.decode(), 0) + int(n)
+    return out
+
+
+def stream_lag(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str, Any]:
+    """Results not yet on disk, across the datasets' streams: a collector deletes what it
+    acknowledges, so a stream's first entry is its oldest one pending, and its id carries the time
+    it was added (Redis's clock). With the collector holding each dataset."""
+    names = sorted(datasets.load_all(conn, keys))
+    with conn.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.xlen(keys.results(name))
+            pipe.xrange(keys.results(name), count=1)
+            pipe.get(keys.collector_lease(name))
+        pipe.xlen(keys.legacy_results)  # left by an older release (an upgrade mid-run)
+        pipe.xrange(keys.legacy_results, count=1)
+        pipe.time()
+        *raw, legacy, legacy_first, (sec, usec) = pipe.execute()
+    now = now if now is not None else sec + usec / 1e6
+    length, firsts, holders = int(legacy), [], {}
+    if legacy_first:
+        firsts.append(int(legacy_first[0][0].split(b"-")[0]) / 1000)
+    for name, (n, first, holder) in zip(names, zip(raw[::3], raw[1::3], raw[2::3], strict=True), strict=True):
+        length += int(n)
+        if first:
+            firsts.append(int(first[0][0].split(b"-")[0]) / 1000)
+        holders[name] = holder.decode() if holder else None
+    distinct = sorted({h for h in holders.values() if h})
+    return {
+        "length": length,
+        "oldest_pending_s": round(max(0.0, now - min(firsts)), 1) if firsts else 0.0,
+        # The one collector holding every dataset (the usual case), else each dataset's.
+        "collector": distinct[0] if len(distinct) == 1 and all(holders.values()) else None,
+        "collectors": holders,
+    }
+
+
+def finished(counts: dict[str, dict[str, int]]) -> bool:
+    """Every enqueued job is on disk, as a record or an error."""
+    return all(c["done"] + c["failed"] >= c["total"] for c in counts.values())
