@@ -13,7 +13,8 @@ from genq.logs import logging_options, setup_logging
 from genq.metrics import metrics_options, serve
 from genq.settings import option, redis_options
 from worker import metrics
-from worker.daemon import Worker, WorkerConfig
+from worker.config import WorkerConfig
+from worker.daemon import Worker
 
 
 @click.command("worker")

@@ -1,0 +1,41 @@
+"""The worker's settings (WorkerConfig): what worker/cli.py reads from the command line and the
+environment, in one object the Worker, its server gate and its attempts all read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WorkerConfig:
+    server: str
+    backend: str = "auto"  # an engine API of genq/backends, or auto: ask the server
+    model: str | None = None  # the model to ask for, where the server serves several
+    concurrency: int = 128
+    max_attempts: int = 5
+    # Sends the server failed while it served no other job, spared per job (decision 7's bound).
+    max_spared: int = 20
+    # Server crashes a job may be in flight at before it is the suspect and fails (worker/probation.py).
+    max_crashes: int = 3
+    request_timeout: float | None = None  # overrides the deadline derived from max_new_tokens
+    grace: float = 60.0
+    burst: bool = False
+    heartbeat_ttl: int = 60
+    stream_limit: int = 10_000
+    backoff_base: float = 1.0
+    backoff_cap: float = 60.0
+    # A connection that fails this many times in a row closes the gate until /health answers.
+    down_after: int = 3
+
+    @property
+    def prefetch(self) -> int:
+        """Jobs taken ahead of a free slot (started in RQ, waiting here) at least: takes come in
+        batches of about half this, and a job starts the moment a slot frees. More while jobs end
+        faster than a take comes back (Worker._prefetch)."""
+        return max(1, self.concurrency // 4)
+
+    def attempt_timeout(self, max_new_tokens: int) -> float:
+        """Decision 8: long generations get long deadlines (8 tok/s floor per sequence + 120 s)."""
+        if self.request_timeout is not None:
+            return self.request_timeout
+        return 120.0 + max_new_tokens / 8.0
