@@ -215,7 +215,7 @@ RECEIVED = {
 
 def generations_per_job(engine: str, log: Path) -> Counter[str]:
     """How often a real server was asked to generate each genq job, from its request log: genq's
-    request ids are ``<job id>.<attempt>.<nonce>`` (worker/daemon.py), probes ``genq-probe.<nonce>``."""
+    request ids are ``<job id>.<attempt>.<nonce>`` (worker/attempts.py), probes ``genq-probe.<nonce>``."""
     rids = RECEIVED[engine].findall(log.read_text(errors="replace"))
     return Counter(rid.split(".", 1)[0] for rid in rids if "." in rid and not rid.startswith("genq-probe."))
 

@@ -24,6 +24,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Any
 
 import redis
 from rq import Queue, worker_registration
@@ -96,6 +97,13 @@ class Bookkeeper(BaseWorker):
         self._rotation = 0
         self._take_script = conn.register_script(rq_state.TAKE)
         self._rq_lock = threading.Lock()  # RQ's single ``execution``, swapped for a failure
+
+    def log_context(self, t: Taken | None = None) -> dict[str, Any]:
+        """The context of a log line (fields of --log-format json)."""
+        ctx: dict[str, Any] = {"worker": self.name}
+        if t is not None:
+            ctx.update(job_id=t.job.id, dataset=t.spec.dataset)
+        return ctx
 
     # -- life cycle -------------------------------------------------------------------------
 
