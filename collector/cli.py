@@ -10,7 +10,8 @@ from pathlib import Path
 import click
 
 from collector import metrics
-from collector.drain import Collector, LeaseHeld, WriteFailed
+from collector.drain import Collector, WriteFailed
+from collector.leases import LeaseHeld
 from collector.loop import Loop
 from genq.connection import connect, wait_for_redis
 from genq.keys import Keys, validate_name
