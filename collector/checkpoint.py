@@ -20,6 +20,10 @@ from collections.abc import Callable, Mapping
 import redis
 from redis.commands.core import CoreCommands
 
+from genq.bitmaps import set_bits
+from genq.keys import Keys
+from genq.schema import KIND_RECORD
+
 # ARGV: n, then n triples (field, expected, new), then commands, each its argument count and its
 # arguments. A field never set counts as 0. Lua's unpack stops near 8,000 values, so callers keep
 # each command well under that (genq/bitmaps.py splits its BITFIELDs).
@@ -85,3 +89,14 @@ class Checkpoints:
             args += (len(command), *command)
         if not self._commit(keys=[self.key], args=args):
             raise Stale(f"checkpoints {sorted(moves)} are not where this collector left them")
+
+
+def mark(pipe: CoreCommands, keys: Keys, name: str, kind: bytes, indexes: list[int]) -> None:
+    """Queue the bits that say these ids of dataset ``name`` are on disk (as records or errors):
+    in the same commit as the checkpoint move of the lines that hold them."""
+    set_bits(pipe, keys.enqueued(name), indexes)
+    if kind == KIND_RECORD:
+        set_bits(pipe, keys.done(name), indexes)
+        set_bits(pipe, keys.failed(name), indexes, 0)  # a record beats an earlier error
+    else:
+        set_bits(pipe, keys.failed(name), indexes)

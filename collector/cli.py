@@ -1,38 +1,25 @@
-"""`genq collect`."""
+"""`genq collect`: the command (its options, start-up and exit codes); the loop is collector/loop.py."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import click
-import redis
 
 from collector import metrics
-from collector.checkpoint import Stale
-from collector.drain import Collector, LeaseHeld, WriteFailed
+from collector.drain import Collector, WriteFailed
+from collector.leases import LeaseHeld
+from collector.loop import Loop
 from genq.connection import connect, wait_for_redis
 from genq.keys import Keys, validate_name
 from genq.logs import logging_options, setup_logging
 from genq.metrics import metrics_options, serve
-from genq.reaper import reap
 from genq.settings import option, redis_options
 
 log = logging.getLogger("genq.collector")
-T = TypeVar("T")
-SWEEP_EVERY_S = 30.0
-REAP_EVERY_S = 15
-# How often a collector looks for datasets to take: new ones, and ones whose holder is gone.
-CLAIM_EVERY_S = 2.0
-# After a batch smaller than --batch, wait this long before reading again: the next batch gathers
-# meanwhile, so a record costs fewer fsyncs and round trips, and reaches disk at most this late.
-# (Not when --burst finds nothing left: it exits at once.)
-LINGER_S = 0.05
 
 
 @click.command("collect")
@@ -114,82 +101,3 @@ def collect_command(
     log.info(
         "collector: stopped (%d written, %d duplicates dropped)", collector.written, collector.duplicates
     )
-
-
-class Loop:
-    """The collector's main loop, riding out Redis restarts and a disk that refuses writes."""
-
-    def __init__(self, collector: Collector, stop: list[int], give_up_after: float):
-        self.collector = collector
-        self.stop = stop
-        self.give_up_after = give_up_after
-        self._last_reap = 0.0
-        self._standby_said = False
-
-    def run(self, burst: bool) -> None:
-        c = self.collector
-        last_sweep = last_claim = 0.0
-        # --burst looks for the end often: it exits within a tenth of a second of the last record.
-        block_ms = 100 if burst else 1000
-        while not self.stop:
-            if time.monotonic() - last_claim > CLAIM_EVERY_S:
-                held = set(c.held)
-                self.call(c.claim)
-                last_claim = time.monotonic()
-                if not c.held and not held:
-                    self._say_standby()
-            written = self.call(lambda: self._step(block_ms))
-            if written and not (burst and written < c.batch and self.call(c.work_left) == 0):
-                if written < c.batch:
-                    time.sleep(LINGER_S)
-                continue
-            if time.monotonic() - self._last_reap > REAP_EVERY_S:
-                self.call(lambda: reap(c.conn, c.keys, REAP_EVERY_S))
-                self._last_reap = time.monotonic()
-            nothing_left = burst and self.call(c.work_left) == 0
-            if nothing_left or time.monotonic() - last_sweep > SWEEP_EVERY_S:
-                self.call(lambda: c.write(c.failed_without_error()))
-                last_sweep = time.monotonic()
-            if nothing_left and self.call(c.work_left) == 0:
-                log.info("collector: burst: nothing queued, in flight or in the stream")
-                return
-
-    def _say_standby(self) -> None:
-        if not self._standby_said:
-            self._standby_said = True
-            log.info(
-                "collector: standing by: its datasets are held by other collectors, or none is enqueued yet"
-            )
-
-    def _step(self, block_ms: int) -> int:
-        """One batch read and written; how many entries it held."""
-        c = self.collector
-        c.renew_leases()
-        items = c.read(block_ms)
-        if items:
-            c.write(items)
-        return len(items)
-
-    def call(self, fn: Callable[[], T]) -> T:
-        """Call ``fn`` until it works. After a failure the files are reconciled first: lines may
-        be on disk whose ids were not marked in Redis, and they must be before anything else."""
-        delay = 0.5
-        failing_since: float | None = None
-        while True:
-            try:
-                if failing_since is not None:
-                    self.collector.reconcile()
-                return fn()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                if self.stop and failing_since is not None:
-                    raise
-                log.warning("Redis unreachable (%s); retrying in %.1f s", exc, delay)
-            except Stale as exc:  # Redis kept losing writes while the files were re-read
-                log.warning("%s; re-reading the files again in %.1f s", exc, delay)
-            except (WriteFailed, OSError) as exc:
-                log.error("%s; nothing of it was acknowledged, retrying in %.1f s", exc, delay)
-                if failing_since is not None and time.monotonic() - failing_since > self.give_up_after:
-                    raise
-            failing_since = failing_since if failing_since is not None else time.monotonic()
-            time.sleep(delay)
-            delay = min(delay * 2, 30.0)

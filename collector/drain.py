@@ -4,35 +4,33 @@ The dataset bitmaps ``done`` and ``failed`` say which ids are on disk. They are 
 the same atomic commit (collector/checkpoint.py) that acknowledges the entries and moves the
 file's checkpoint offset, so after any crash the lines past the checkpoint are re-read from disk
 at start-up and the replayed stream entries for them are dropped as duplicates.
+
+This module owns reading the streams and writing the files. The leases are collector/leases.py,
+re-reading files into Redis collector/reconcile.py, RQ's failed jobs collector/rq_failed.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
 import time
-import uuid
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
-from rq.job import Job
-from rq.registry import FailedJobRegistry
 
-from collector import metrics
-from collector.checkpoint import Checkpoints, Commands, Stale
-from collector.files import Appender, cut_torn_tail, scan
+from collector import metrics, rq_failed
+from collector.checkpoint import Checkpoints, Commands, Stale, mark
+from collector.files import Appender
+from collector.leases import Leases
+from collector.reconcile import Reconciler
 from genq import datasets as datasets_mod
 from genq import token_counts
-from genq.bitmaps import get_bits, is_set, set_bits
-from genq.failures import reason_of
+from genq.bitmaps import get_bits
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS
-from genq.logprobs import frames as logprobs_frames
 from genq.queues import rq_queue
 from genq.schema import (
     ERRORS,
@@ -43,54 +41,17 @@ from genq.schema import (
     entry_data,
     entry_kind,
     entry_logprobs,
-    error_record,
-    parse_record_id,
 )
 
 log = logging.getLogger("genq.collector")
 
 CONSUMER = "collector"  # every holder of a dataset reads as this consumer, and takes its pending entries over
 PENDING_CHECK_S = 5.0
-LEASE_TTL_S = 15
-# Stop writing this long before the lease could lapse, by this process's own clock: a collector
-# cut off from Redis cannot renew it, and another may take over once it lapses.
-FENCE_MARGIN_S = 3.0
-RECONCILE_CHUNK = 3000  # lines marked per checkpoint move when files are re-read
-RECONCILE_TRIES = 5
-ACK_PER_COMMAND = 1000  # re-reads of a dataset restarted because Redis lost writes meanwhile
-
-
-_DELETE_IF = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
-# 1: renewed; 2: it was gone (Redis forgot it) and is ours again; 0: another collector holds it.
-_RENEW = """
-local holder = redis.call('get', KEYS[1])
-if holder == ARGV[1] then redis.call('expire', KEYS[1], ARGV[2]) return 1 end
-if not holder then redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2]) return 2 end
-return 0
-"""
-
-
-class LeaseHeld(Exception):
-    pass
+ACK_PER_COMMAND = 1000  # entry ids per XACK and XDEL: under the limit of collector/checkpoint.py
 
 
 class WriteFailed(Exception):
     """The disk refused a write or an fsync; nothing of the batch was acknowledged."""
-
-
-def _dead_local(holder: str) -> bool:
-    """Whether a lease holder ``host:pid:nonce`` is a process of this host that no longer runs."""
-    host, _, rest = holder.partition(":")
-    pid = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 @dataclass
@@ -105,14 +66,36 @@ class Item:
     stream: str = ""  # the stream to acknowledge it in ("": none)
 
 
+@dataclass
+class _Read:
+    """What Redis says of a batch before it is written."""
+
+    bits: dict[tuple[str, int], tuple[int, int]]  # (dataset, index) -> (done, failed)
+    now: float  # Redis's clock
+    behind: set[str]  # datasets whose checkpoints Redis lost
+
+
+@dataclass
+class _Batch:
+    """What a batch put on disk, for its commit."""
+
+    to_mark: list[tuple[str, bytes, int]]  # (dataset, kind, index) of each line appended
+    new_records: dict[str, list[dict]]
+    duplicates: int
+    moves: dict[str, tuple[int, int]]  # file -> (checkpoint before, size after)
+
+
+Placed = list[tuple[Item, str, int]]  # (item, dataset, bit index)
+
+
 class Collector:
     """Drains the result streams of the datasets whose leases it holds into OUT/<dataset>/.
 
     Decision 11, per dataset: each dataset's stream and files belong to one collector at a time (a
-    lease in Redis). A collector takes the lease of every dataset it is given (``datasets``; all of
-    the namespace's when None) that nobody holds, at start and whenever one appears or lapses, so
-    several collectors share a namespace's datasets, and one whose datasets are all held waits as a
-    standby for a holder to die.
+    lease in Redis, collector/leases.py). A collector takes the lease of every dataset it is given
+    (``datasets``; all of the namespace's when None) that nobody holds, at start and whenever one
+    appears or lapses, so several collectors share a namespace's datasets, and one whose datasets are
+    all held waits as a standby for a holder to die. It owns the open files and the reads and writes.
     """
 
     def __init__(
@@ -128,8 +111,8 @@ class Collector:
         self.out = out
         self.batch = batch
         self.wanted = frozenset(datasets) if datasets else None
-        self.lease_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        self.held: dict[str, float] = {}  # dataset -> when its lease was last renewed (monotonic)
+        self.leases = Leases(conn, keys)
+        self.leases.retake = self._retake
         self._settings: dict[str, datasets_mod.DatasetSettings] = {}
         self._files: dict[tuple[str, str], Appender] = {}
         # Datasets whose streams may hold entries delivered before and never acknowledged (by this
@@ -137,10 +120,26 @@ class Collector:
         self._unacked: set[str] = set()
         self._pending_checked = time.monotonic()
         self._legacy = False  # the stream of older releases holds entries (looked at by claim)
-        self._renew = conn.register_script(_RENEW)
         self.checkpoints = Checkpoints(conn, keys.collector_offsets)
+        self.reconciler = Reconciler(
+            conn,
+            keys,
+            out,
+            self.checkpoints,
+            self.leases,
+            samples=lambda name: self._settings[name].samples,
+            close_file=self._close_file,
+        )
         self.written = 0
         self.duplicates = 0
+
+    @property
+    def held(self) -> dict[str, float]:
+        return self.leases.held
+
+    @property
+    def lease_id(self) -> str:
+        return self.leases.lease_id
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -154,22 +153,7 @@ class Collector:
         names = [n for n in self._settings if n not in self.held and self._wants(n)]
         if not names:
             return []
-        renewed = time.monotonic()  # before the SETs: the leases run from no later than this
-        with self.conn.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.set(self.keys.collector_lease(name), self.lease_id, nx=True, ex=LEASE_TTL_S)
-                pipe.get(self.keys.collector_lease(name))
-            replies = pipe.execute()
-        taken = []
-        for name, got, holder in zip(names, replies[::2], replies[1::2], strict=True):
-            holder = (holder or b"").decode()
-            if not got and holder and _dead_local(holder):
-                log.warning("collector %s died holding dataset %s: taking over", holder, name)
-                self.conn.eval(_DELETE_IF, 1, self.keys.collector_lease(name), holder)
-                got = self.conn.set(self.keys.collector_lease(name), self.lease_id, nx=True, ex=LEASE_TTL_S)
-            if got:
-                self.held[name] = renewed
-                taken.append(name)
+        taken = self.leases.take(names)
         for name in taken:
             self._take_over(name)
         return taken
@@ -185,72 +169,25 @@ class Collector:
             if "BUSYGROUP" not in str(exc):
                 raise
         self._unacked.add(name)
-        self._reconcile_dataset(name)
+        self.reconciler.dataset(name)
         self.conn.set(self.keys.collector_ready(name), self.lease_id)
         log.info("collector %s: holds dataset %s", self.lease_id, name, extra={"dataset": name})
 
+    def _retake(self, name: str) -> None:
+        """A lease Redis had lost, taken again: its files are re-read before the next write."""
+        self._close_files(name)
+        self._take_over(name)
+
     def renew_leases(self, force: bool = False) -> set[str]:
-        """Keep every lease held, in one round trip once a third of the TTL has passed; take one
-        again if Redis lost it (a failover or a restart from an older snapshot forgets recent
-        writes), but never from another collector: a lease another holds stops this one. The
-        datasets taken again (their files re-read)."""
-        now = time.monotonic()
-        if not self.held or (not force and all(now - t < LEASE_TTL_S / 3 for t in self.held.values())):
-            return set()
-        names = list(self.held)
-        with self.conn.pipeline(transaction=False) as pipe:
-            for name in names:
-                self._renew(
-                    keys=[self.keys.collector_lease(name)], args=[self.lease_id, LEASE_TTL_S], client=pipe
-                )
-            replies = pipe.execute()
-        lost = [name for name, renewed in zip(names, replies, strict=True) if not renewed]
-        if lost:
-            raise LeaseHeld(
-                f"lost the collector lease of {', '.join(lost)} in namespace {self.keys.namespace!r}"
-            )
-        retaken = set()
-        for name, renewed in zip(names, replies, strict=True):
-            self.held[name] = now
-            if renewed == 2:
-                retaken.add(name)
-                log.warning(
-                    "Redis had lost this collector's lease of %s (a failover?): took it again; "
-                    "re-reading its files",
-                    name,
-                    extra={"dataset": name},
-                )
-                self._close_files(name)
-                self._take_over(name)
-        return retaken
+        """Keep every lease held (collector/leases.py); the datasets taken again."""
+        return self.leases.renew(force)
 
     def fence(self, names: Collection[str]) -> None:
-        """Self-fencing, checked before the files of ``names`` are touched, on this process's own
-        clock (not when Redis next answers): past this point a lease may have lapsed and another
-        collector may be appending to the same files, so this one stops."""
-        if any(self._held_for(n) > LEASE_TTL_S - FENCE_MARGIN_S for n in names):
-            # Renew first (a collector cut off from Redis blocks here and writes nothing); a lease
-            # another collector took meanwhile stops this one (LeaseHeld).
-            self.renew_leases(force=True)
-        for name in names:
-            held = self._held_for(name)
-            if held > LEASE_TTL_S - FENCE_MARGIN_S:
-                raise LeaseHeld(
-                    f"not writing: the collector lease of {name} was last renewed {held:.0f} s ago and "
-                    f"may lapse ({LEASE_TTL_S} s); another collector may take over its folder"
-                )
-
-    def _held_for(self, name: str) -> float:
-        renewed = self.held.get(name)
-        return float("inf") if renewed is None else time.monotonic() - renewed
+        """Stop (LeaseHeld) before the files of ``names`` are touched if a lease may have lapsed."""
+        self.leases.fence(names)
 
     def release_leases(self) -> None:
-        with self.conn.pipeline(transaction=False) as pipe:
-            for name in self.held:
-                pipe.eval(_DELETE_IF, 1, self.keys.collector_ready(name), self.lease_id)
-                pipe.eval(_DELETE_IF, 1, self.keys.collector_lease(name), self.lease_id)
-            pipe.execute()
-        self.held = {}
+        self.leases.release()
 
     def reconcile(self) -> None:
         """Cut torn lines and mark in Redis every id on disk past the last checkpoint, for every
@@ -258,114 +195,7 @@ class Collector:
         self._settings = datasets_mod.load_all(self.conn, self.keys)
         for name in list(self.held):
             self._unacked.add(name)
-            self._reconcile_dataset(name)
-
-    def _reconcile_dataset(self, name: str) -> None:
-        # Reconciling writes too (torn tails cut, checkpoints, done bits, token counts): a collector
-        # that was cut off must know it still holds the folder before it touches any of it.
-        self.fence([name])
-        for tries in range(RECONCILE_TRIES):
-            try:
-                for kind, filename in ((KIND_ERROR, ERRORS), (KIND_RECORD, RAW)):
-                    path = self.out / name / filename
-                    cut = cut_torn_tail(path)
-                    if cut:
-                        log.warning(
-                            "%s: cut a torn last line (%d bytes) left by a crash",
-                            path,
-                            cut,
-                            extra={"dataset": name},
-                        )
-                    self._reconcile_file(name, kind, path)
-                self._reconcile_logprobs(name)
-                return
-            except Stale:
-                if tries + 1 == RECONCILE_TRIES:
-                    raise
-                log.warning("Redis lost writes while %s was re-read: reading it again", name)
-
-    def _reconcile_logprobs(self, name: str) -> None:
-        """Keep the frames past the checkpoint whose record is on disk (marked done just above);
-        cut the file from the first one whose record is not: its batch never reached the records
-        file, and its entries will be written again when replayed."""
-        path = self.out / name / LOGPROBS
-        if not path.exists():
-            return
-        field = str(path)
-        (stored,) = self.checkpoints.read([field])
-        size = path.stat().st_size
-        offset = 0 if stored > size else stored
-        done = self.conn.get(self.keys.done(name)) or b""
-        samples = self._settings[name].samples
-        keep = offset
-        for start, end, record_id, _ in logprobs_frames(path, offset):
-            parsed = parse_record_id(record_id, name, samples)
-            if parsed is None or not is_set(done, bit_index(*parsed, samples)):
-                keep = start
-                break
-            keep = end
-        if keep < size:
-            appender = self._files.pop((name, LOGPROBS), None)
-            if appender is not None:
-                appender.close()
-            with path.open("rb+") as fh:
-                fh.truncate(keep)
-                os.fsync(fh.fileno())
-            log.warning(
-                "%s: cut %d bytes of frames whose records are not on disk (they are replayed)",
-                path,
-                size - keep,
-                extra={"dataset": name},
-            )
-        self.checkpoints.commit({field: (stored, keep)})
-
-    def _reconcile_file(self, name: str, kind: bytes, path: Path) -> None:
-        """Mark the ids of the lines past the checkpoint, moving it a chunk at a time: each chunk's
-        marks and token counts land with its checkpoint move, or (Stale) not at all."""
-        field = str(path)
-        size = path.stat().st_size if path.exists() else 0
-        (stored,) = self.checkpoints.read([field])
-        offset = stored
-        if offset > size:
-            log.warning("%s is shorter than its checkpoint: re-reading all of it", path)
-            offset = 0
-        samples = self._settings[name].samples
-        # Records whose done bit is still 0 get their tokens counted, with the chunk that sets the
-        # bit: a crash between chunks leaves each chunk counted once or not at all.
-        done = (self.conn.get(self.keys.done(name)) or b"") if kind == KIND_RECORD else None
-        live = self.conn.hexists(self.keys.tokens(name), "first_at")
-        uncounted: list[dict] = []
-        seen: set[int] = set()
-        marked = 0
-        indexes: list[int] = []
-
-        def body(commands: Commands) -> None:
-            self._mark(commands, name, kind, indexes)
-            token_counts.add(commands, self.keys, name, uncounted, None, live)
-
-        for end, obj in scan(path, offset):
-            index = bit_index(obj["row"], obj["sample"], samples)
-            indexes.append(index)
-            if done is not None and not is_set(done, index) and index not in seen:
-                seen.add(index)
-                uncounted.append(obj)
-            marked += 1
-            if len(indexes) >= RECONCILE_CHUNK:
-                self.checkpoints.commit({field: (stored, end)}, body)
-                stored, indexes, uncounted = end, [], []
-        self.checkpoints.commit({field: (stored, size)}, body)
-        if marked:
-            log.info(
-                "%s: marked %d ids found on disk past the checkpoint", path, marked, extra={"dataset": name}
-            )
-
-    def _mark(self, pipe, name: str, kind: bytes, indexes: list[int]) -> None:
-        set_bits(pipe, self.keys.enqueued(name), indexes)
-        if kind == KIND_RECORD:
-            set_bits(pipe, self.keys.done(name), indexes)
-            set_bits(pipe, self.keys.failed(name), indexes, 0)  # a record beats an earlier error
-        else:
-            set_bits(pipe, self.keys.failed(name), indexes)
+            self.reconciler.dataset(name)
 
     # -- draining ---------------------------------------------------------------------------
 
@@ -441,6 +271,29 @@ class Collector:
         if not items:
             return 0
         started = time.monotonic()
+        placed = self._place(items)
+        if not placed:
+            return 0
+        by_dataset = _indexes_by_dataset(placed)
+        state = self._read_state(by_dataset)
+        if state.behind:
+            self._lost_writes(state.behind, by_dataset)
+            return 0
+        self.fence(by_dataset)  # right before the files are touched: the reads above may have waited on Redis
+        batch = self._append(placed, state.bits, by_dataset)
+        try:
+            self.checkpoints.commit(batch.moves, lambda c: self._commit_body(c, placed, batch, state.now))
+        except Stale:
+            # Redis lost writes between the reads above and now: the lines just written are on
+            # disk unmarked, and the files are read again into Redis before anything else.
+            self._lost_writes(set(by_dataset), by_dataset)
+            return 0
+        self._count(batch, started)
+        return len(batch.to_mark)
+
+    def _place(self, items: list[Item]) -> Placed:
+        """The items of known datasets, with their bit index; the others are logged and left in
+        the stream."""
         placed = []
         for item in items:
             name = item.dataset
@@ -454,11 +307,11 @@ class Collector:
                 )
                 continue
             placed.append((item, name, bit_index(item.data["row"], item.data["sample"], settings.samples)))
-        if not placed:
-            return 0
-        by_dataset: dict[str, list[int]] = {}
-        for _, name, index in placed:
-            by_dataset.setdefault(name, []).append(index)
+        return placed
+
+    def _read_state(self, by_dataset: dict[str, list[int]]) -> _Read:
+        """The done and failed bits of the batch, Redis's clock, and the datasets whose last
+        checkpoints Redis no longer holds."""
         # The bits say which ids are on disk only if Redis still holds this collector's last
         # checkpoints: the offsets are read with them (collector/checkpoint.py).
         synced = {field: (name, size) for name in by_dataset for field, size in self._synced(name).items()}
@@ -471,16 +324,20 @@ class Collector:
             *replies, stored, (sec, usec) = pipe.execute()
         kept = zip(synced.values(), stored, strict=True)
         behind = {name for (name, size), value in kept if int(value or 0) != size}
-        if behind:
-            self._lost_writes(behind, by_dataset)
-            return 0
         bits: dict[tuple[str, int], tuple[int, int]] = {}
-        pairs = iter(replies)
-        for name, indexes in by_dataset.items():
-            done_bits, failed_bits = next(pairs), next(pairs)
-            for index, done, failed in zip(indexes, done_bits, failed_bits, strict=True):
-                bits[name, index] = (done, failed)
-        self.fence(by_dataset)  # right before the files are touched: the reads above may have waited on Redis
+        if not behind:
+            pairs = iter(replies)
+            for name, indexes in by_dataset.items():
+                done_bits, failed_bits = next(pairs), next(pairs)
+                for index, done, failed in zip(indexes, done_bits, failed_bits, strict=True):
+                    bits[name, index] = (done, failed)
+        return _Read(bits, sec + usec / 1e6, behind)
+
+    def _append(
+        self, placed: Placed, bits: dict[tuple[str, int], tuple[int, int]], by_dataset: dict[str, list[int]]
+    ) -> _Batch:
+        """Append the lines (and frames) not on disk yet, then fsync; on OSError roll every file
+        back to where the batch began and raise WriteFailed."""
         seen: set[tuple[str, int]] = set()
         before = {key: f.synced_size for key, f in self._files.items()}  # where this batch began
         to_mark = []
@@ -509,38 +366,33 @@ class Collector:
                 with contextlib.suppress(OSError):
                     f.roll_back(before.get(key, f.opened_size))
             raise WriteFailed(f"writing to {self.out} failed: {exc}") from exc
-        now = sec + usec / 1e6
+        return _Batch(to_mark, new_records, duplicates, moves)
 
-        def body(commands: Commands) -> None:
-            marks: dict[tuple[str, bytes], list[int]] = {}
-            for name, kind, index in to_mark:
-                marks.setdefault((name, kind), []).append(index)
-            for (name, kind), indexes in marks.items():
-                self._mark(commands, name, kind, indexes)
-            for name, records in new_records.items():
-                token_counts.add(commands, self.keys, name, records, now, live=True)
-            acked: dict[str, list[bytes]] = {}
-            for item, _, _ in placed:
-                if item.entry_id is not None:
-                    acked.setdefault(item.stream, []).append(item.entry_id)
-            for stream, entry_ids in acked.items():
-                for at in range(0, len(entry_ids), ACK_PER_COMMAND):
-                    commands.xack(stream, self.keys.results_group, *entry_ids[at : at + ACK_PER_COMMAND])
-                    commands.xdel(stream, *entry_ids[at : at + ACK_PER_COMMAND])
-            for name, count in Counter(n for i, n, _ in placed if i.entry_id is not None).items():
-                commands.hincrby(self.keys.in_stream, name, -count)
+    def _commit_body(self, commands: Commands, placed: Placed, batch: _Batch, now: float) -> None:
+        """The batch's commit: its marks, token counts, acknowledgements and in-stream counts."""
+        marks: dict[tuple[str, bytes], list[int]] = {}
+        for name, kind, index in batch.to_mark:
+            marks.setdefault((name, kind), []).append(index)
+        for (name, kind), indexes in marks.items():
+            mark(commands, self.keys, name, kind, indexes)
+        for name, records in batch.new_records.items():
+            token_counts.add(commands, self.keys, name, records, now, live=True)
+        acked: dict[str, list[bytes]] = {}
+        for item, _, _ in placed:
+            if item.entry_id is not None:
+                acked.setdefault(item.stream, []).append(item.entry_id)
+        for stream, entry_ids in acked.items():
+            for at in range(0, len(entry_ids), ACK_PER_COMMAND):
+                commands.xack(stream, self.keys.results_group, *entry_ids[at : at + ACK_PER_COMMAND])
+                commands.xdel(stream, *entry_ids[at : at + ACK_PER_COMMAND])
+        for name, count in Counter(n for i, n, _ in placed if i.entry_id is not None).items():
+            commands.hincrby(self.keys.in_stream, name, -count)
 
-        try:
-            self.checkpoints.commit(moves, body)
-        except Stale:
-            # Redis lost writes between the reads above and now: the lines just written are on
-            # disk unmarked, and the files are read again into Redis before anything else.
-            self._lost_writes(set(by_dataset), by_dataset)
-            return 0
-        self.duplicates += duplicates
-        self.written += len(to_mark)
-        metrics.written([(n, k) for n, k, _ in to_mark], new_records, duplicates, time.monotonic() - started)
-        return len(to_mark)
+    def _count(self, batch: _Batch, started: float) -> None:
+        self.duplicates += batch.duplicates
+        self.written += len(batch.to_mark)
+        elapsed = time.monotonic() - started
+        metrics.written([(n, k) for n, k, _ in batch.to_mark], batch.new_records, batch.duplicates, elapsed)
 
     def _synced(self, name: str) -> dict[str, int]:
         """Each file of dataset ``name`` and the size this collector last committed as its checkpoint
@@ -569,8 +421,7 @@ class Collector:
         # meanwhile (a lease another holds by now stops this one).
         retaken = self.renew_leases(force=True)
         for name in set(names) - retaken:
-            self._close_files(name)
-            self._take_over(name)
+            self._retake(name)
         self._unacked.update(batch)
 
     def _logprobs_file(self, name: str) -> Appender:
@@ -589,51 +440,9 @@ class Collector:
 
     def failed_without_error(self) -> list[Item]:
         """Jobs in RQ's failed registries (a worker died with them once too often) that have no
-        line in errors.jsonl yet. Call with the stream drained: a worker adds a job's error to the
-        stream before RQ marks the job failed, so what is left has no error of its own."""
-        items = []
-        for name in self.held:
-            settings = self._settings[name]
-            queue = rq_queue(self.conn, self.keys, name)
-            ids = FailedJobRegistry(queue=queue).get_job_ids()
-            if not ids:
-                continue
-            done = self.conn.get(self.keys.done(name)) or b""
-            failed = self.conn.get(self.keys.failed(name)) or b""
-            for job_id in ids:
-                rid = self.keys.record_id(job_id)
-                parsed = parse_record_id(rid, name, settings.samples) if rid else None
-                if parsed is None:
-                    continue
-                index = bit_index(*parsed, settings.samples)
-                if is_set(done, index) or is_set(failed, index):
-                    continue
-                error = self._error_of_failed(job_id, rid, name, *parsed)
-                items.append(Item(KIND_ERROR, error, None, dataset=name))
-        return items
-
-    def _error_of_failed(self, job_id: str, rid: str, name: str, row: int, sample: int) -> dict:
-        exc_string = source_id = None
-        try:
-            job = Job.fetch(job_id, connection=self.conn, serializer="json")
-            source_id = (job.kwargs or {}).get("source_id")
-            result = job.latest_result()
-            exc_string = result.exc_string if result is not None else None
-        except Exception as exc:  # noqa: BLE001 - the reason is a nicety; the error line is not
-            log.debug("job %s: could not read its failure (%s)", job_id, exc)
-        error, message = reason_of(exc_string)
-        attempts = self.conn.hget(self.keys.attempts, job_id)
-        return error_record(
-            id=rid,
-            dataset=name,
-            row=row,
-            sample=sample,
-            source_id=source_id,
-            error=error,
-            message=message,
-            status=None,
-            attempts=int(attempts) if attempts is not None else None,
-        )
+        line in errors.jsonl yet (collector/rq_failed.py). Call with the stream drained."""
+        found = rq_failed.errors(self.conn, self.keys, self.held, self._settings)
+        return [Item(KIND_ERROR, error, None, dataset=name) for name, error in found]
 
     # -- state ------------------------------------------------------------------------------
 
@@ -661,3 +470,15 @@ class Collector:
         """Forget the open files of one dataset: they are re-read before the next write."""
         for key in [k for k in self._files if k[0] == name]:
             self._files.pop(key).close()
+
+    def _close_file(self, name: str, filename: str) -> None:
+        appender = self._files.pop((name, filename), None)
+        if appender is not None:
+            appender.close()
+
+
+def _indexes_by_dataset(placed: Placed) -> dict[str, list[int]]:
+    by_dataset: dict[str, list[int]] = {}
+    for _, name, index in placed:
+        by_dataset.setdefault(name, []).append(index)
+    return by_dataset
