@@ -318,3 +318,11 @@ def wait_all(started: Iterable[subprocess.Popen], timeout: float) -> list[int]:
     a test's wait budgets must add up below its pytest timeout)."""
     deadline = time.monotonic() + timeout
     return [proc.wait(max(deadline - time.monotonic(), 0)) for proc in started]
+
+
+def finish_run(procs: Procs, dataset: str, total: int, timeout: float, *roles: subprocess.Popen) -> None:
+    """Wait until all ``total`` records of ``dataset`` are on disk, then SIGTERM each role (workers,
+    collectors): each must exit 0."""
+    wait_until(lambda: status_json(procs)["datasets"][dataset]["done"] == total, timeout, "every record")
+    for proc in roles:
+        assert stop(proc, timeout=60) == 0, log_of(proc)

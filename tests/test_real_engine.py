@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 
 from tests.helpers import (
+    finish_run,
     log_of,
     read_jsonl,
     sigkill,
@@ -150,12 +151,7 @@ def test_kills_on_a_real_engine_lose_and_repeat_nothing(procs, llama_model, out,
 
         wait_until(hung, 60, "requests to time out and a worker to see the stopped engine down")
         os.kill(server.proc.pid, signal.SIGCONT)
-        wait_until(
-            lambda: status_json(procs)["datasets"]["kills"]["done"] == len(prompts), 240, "every record"
-        )
-        for w in workers:
-            assert stop(w, timeout=60) == 0, log_of(w)
-        assert stop(collector, timeout=60) == 0, log_of(collector)
+        finish_run(procs, "kills", len(prompts), 240, *workers, collector)
         _check_exact(out, "kills", prompts, server.url)
         assert not read_jsonl(out / "kills" / "errors.jsonl")
     finally:

@@ -31,13 +31,13 @@ from tests.engines import (
 )
 from tests.helpers import (
     assert_verified,
+    finish_run,
     log_of,
     read_jsonl,
     run_burst,
     sigkill,
     sim_get,
     status_json,
-    stop,
     wait_until,
     write_ids,
 )
@@ -135,11 +135,7 @@ def test_the_server_killed_and_stopped_mid_run(procs, sglang_install, out, tmp_p
         wait_until(lambda: "failed: timeout" in log_of(worker), 60, "a request to time out")
         time.sleep(2)
         server.signal(signal.SIGCONT)
-        wait_until(
-            lambda: status_json(procs)["datasets"]["kills"]["done"] == len(prompts), 300, "every record"
-        )
-        assert stop(worker, timeout=60) == 0, log_of(worker)
-        assert stop(collector, timeout=60) == 0, log_of(collector)
+        finish_run(procs, "kills", len(prompts), 300, worker, collector)
         _check_exact(out, "kills", prompts, server.url)
         assert not read_jsonl(out / "kills" / "errors.jsonl")
         assert_verified(procs, out, data)
@@ -229,11 +225,7 @@ def test_api_key_rotation_and_a_full_queue_cost_no_attempt(procs, sglang_install
         time.sleep(3)
         assert status_json(procs)["datasets"]["keyed"]["done"] == done, "the gate stayed closed"
         key_file.write_text("second-key\n")
-        wait_until(
-            lambda: status_json(procs)["datasets"]["keyed"]["done"] == len(prompts), 240, "every record"
-        )
-        assert stop(worker, timeout=60) == 0, log_of(worker)
-        assert stop(collector, timeout=60) == 0, log_of(collector)
+        finish_run(procs, "keyed", len(prompts), 240, worker, collector)
         records = _check_exact(out, "keyed", prompts, server.url, key="second-key", batch=4)
         assert "overloaded" in log_of(worker) or "queue is full" in log_of(worker), "no queue-full 503 met"
         assert all(r["attempts"] == 1 for r in records), "a 503 or a refused key charged an attempt"
@@ -334,9 +326,7 @@ def test_a_worker_killed_mid_run_repeats_only_what_was_in_flight(procs, sglang, 
     # out its heartbeat TTL, and exit before they come back.
     replacement = procs.start("worker", "--server", sglang.url, *flags)
     collector = procs.start("collect", "--out", out)
-    wait_until(lambda: status_json(procs)["datasets"]["wk"]["done"] == len(prompts), 120, "every record")
-    assert stop(replacement, timeout=60) == 0, log_of(replacement)
-    assert stop(collector, timeout=60) == 0, log_of(collector)
+    finish_run(procs, "wk", len(prompts), 120, replacement, collector)
     wasted = metric(sglang.url, *GENERATES) - before - len(prompts) - 2  # two workers' probes
     per_job = generations_per_job("sglang", sglang.log)
     mine = {job: n for job, n in per_job.items() if job.startswith(f"{procs.env['GENQ_NAMESPACE']}--wk-")}

@@ -17,12 +17,12 @@ from tests.conformance import Case, at, call, compare, concurrently
 from tests.engines import CONTEXT, generations_per_job, hf_prompts, metric, post, vllm_server
 from tests.helpers import (
     assert_verified,
+    finish_run,
     log_of,
     read_jsonl,
     run_burst,
     sim_get,
     status_json,
-    stop,
     wait_until,
     write_ids,
 )
@@ -89,11 +89,7 @@ def test_the_server_killed_and_restarted_mid_run(procs, vllm_install, out, tmp_p
         server.kill()
         wait_until(lambda: "looks down" in log_of(worker), 60, "the worker to notice")
         server.start()
-        wait_until(
-            lambda: status_json(procs)["datasets"]["kills"]["done"] == len(prompts), 300, "every record"
-        )
-        assert stop(worker, timeout=60) == 0, log_of(worker)
-        assert stop(collector, timeout=60) == 0, log_of(collector)
+        finish_run(procs, "kills", len(prompts), 300, worker, collector)
         _check_exact(out, "kills", prompts, server.url)
         assert not read_jsonl(out / "kills" / "errors.jsonl")
         # Only what the dead server held in flight (8 at most) was generated again.
