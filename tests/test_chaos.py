@@ -16,7 +16,7 @@ import orjson
 import pytest
 import redis
 
-from genq import progress as status_mod
+from genq import progress
 from genq.commands.embedded import EmbeddedRedis
 from genq.keys import Keys
 from sim.model import generate, render_chat
@@ -125,7 +125,7 @@ def test_chaos(procs: Procs, start_sim, tmp_path, namespace, report, backend):
 
     def counts() -> dict | None:
         try:
-            return status_mod.dataset_counts(conn, keys).get("chaos")
+            return progress.dataset_counts(conn, keys).get("chaos")
         except redis.ConnectionError:
             return None
 

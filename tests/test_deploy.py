@@ -28,7 +28,7 @@ import yaml
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from genq import progress as status
+from genq import progress
 from genq.commands.cli import main
 from genq.commands.embedded import free_port
 from genq.connection import REDIS_ENV
@@ -594,7 +594,7 @@ def test_compose_demo_runs_without_docker(tmp_path, out):
             conn = redis.Redis(port=redis_port, password=password)
             namespace = service("worker")["environment"]["GENQ_NAMESPACE"]
             lines = sum(1 for _ in (REPO / "examples/prompts.jsonl").open())
-            counts = lambda: status.dataset_counts(conn, Keys(namespace)).get("prompts", {})  # noqa: E731
+            counts = lambda: progress.dataset_counts(conn, Keys(namespace)).get("prompts", {})  # noqa: E731
             wait_until(lambda: counts().get("done") == lines, 60, "every example prompt on disk", 0.5)
             # The dashboard answers with its password only.
             dash_password = secrets["dashboard-password"].strip()

@@ -30,7 +30,7 @@ from rq import Queue
 from rq.job import Job
 from rq.worker import Worker
 
-from genq import progress as status_mod
+from genq import progress
 from genq.bitmaps import is_set
 from genq.keys import Keys
 from tests import netns
@@ -148,7 +148,7 @@ class Cluster:
     # -- what Redis says ----------------------------------------------------------------------
 
     def counts(self, dataset: str) -> dict[str, int]:
-        return status_mod.dataset_counts(self.conn, self.keys)[dataset]
+        return progress.dataset_counts(self.conn, self.keys)[dataset]
 
     def done(self, dataset: str) -> int:
         return int(self.conn.bitcount(self.keys.done(dataset)))
@@ -171,7 +171,7 @@ class Cluster:
     def idle(self, dataset: str) -> bool:
         queue = Queue(self.keys.queue_name(dataset), connection=self.conn, serializer="json")
         with self.conn.pipeline(transaction=False) as pipe:
-            for name in status_mod.worker_names(self.conn, self.keys):
+            for name in progress.worker_names(self.conn, self.keys):
                 pipe.hget(Worker.redis_worker_namespace_prefix + name, "genq_in_flight")
             pipe.llen(queue.key)
             pipe.llen(queue.intermediate_queue_key)
@@ -180,7 +180,7 @@ class Cluster:
         return not any(int(n or 0) for n in in_flight) and (queued, moving, started) == (0, 0, 0)
 
     def worker_name(self, gpu: str) -> str:
-        names = [n for n in status_mod.worker_names(self.conn, self.keys) if f".{gpu}." in n]
+        names = [n for n in progress.worker_names(self.conn, self.keys) if f".{gpu}." in n]
         assert len(names) == 1, f"workers of {gpu}: {names}"
         return names[0]
 
