@@ -20,11 +20,12 @@ demo: $(BIN)/genq
 llama-server:
 	@bash ops/llamacpp/build-server.sh >/dev/null || echo "llama-server not built: the real-engine tests will skip"
 
-# The real SGLang and vLLM (CPU builds) for their test tiers, each in a venv cached outside the
+# The real SGLang and vLLM (CPU builds) and SGLang's router for their test tiers, each in a venv cached outside the
 # clone (~1.5 min each from PyPI; a cached one is found at once). Unbuilt, their tests skip (fail in CI).
 engines:
 	@bash ops/engines/sglang-venv.sh >/dev/null || echo "SGLang venv not built: the real SGLang tests will skip"
 	@bash ops/engines/vllm-venv.sh >/dev/null || echo "vLLM venv not built: the real vLLM tests will skip"
+	@bash ops/engines/sglang-router-venv.sh >/dev/null || echo "sglang-router venv not built: the router tests will skip"
 
 # The example dataset on a real engine: llama-server on a tiny model made now.
 real-engine: $(BIN)/genq

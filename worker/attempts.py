@@ -205,7 +205,7 @@ class Attempts:
             # The server answered other jobs while this one was in flight: its failure is this
             # prompt's own (SGLang's "Request running timeout reached." for a long generation).
             return None
-        if cost is Cost.SERVER:
+        if cost in (Cost.SERVER, Cost.REPLICA):
             return await self._spare(t, exc, attempt, life)
         await self.redis(self.books.spare, t.job.id, None)  # FREE or AUTH: no work was done
         if cost is Cost.AUTH:
@@ -222,10 +222,15 @@ class Attempts:
         if exc.down:
             self.gate.note_failure(str(exc), life)
         if spared > self.config.max_spared:
+            where = (
+                "on replicas SGLang's router could not reach"
+                if exc.cost is Cost.REPLICA
+                else "while it served no other job of this worker"
+            )
             return AttemptError(
                 exc.kind,
-                f"{exc.message} (the server failed this prompt {spared} times while it served "
-                "no other job of this worker; --max-spared bounds that)",
+                f"{exc.message} (the server failed this prompt {spared} times {where}; "
+                "--max-spared bounds that)",
                 exc.status,
             ), attempt - 1
         return None

@@ -14,6 +14,7 @@ from genq.backends.llamacpp import LlamaCpp
 from genq.backends.openai_chat import OpenAIChat
 from genq.backends.openai_compat import VLLM_SAMPLING_KEYS
 from genq.backends.sglang import SGLang
+from genq.backends.sglang_router import is_router
 from genq.backends.vllm import VLLM
 
 BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (SGLang, VLLM, LlamaCpp, OpenAIChat)}
@@ -36,14 +37,14 @@ __all__ = [
 
 
 async def detect(http: Http) -> type[Backend]:
-    """What the server answers: SGLang's /server_info (or /get_server_info) says sglang, vLLM's
-    /version says vllm, llama.cpp's /props says llamacpp, a bare /v1/models says an
-    OpenAI-compatible chat endpoint."""
+    """What the server answers: SGLang's /server_info (or /get_server_info, which SGLang's router
+    answers too) says sglang, vLLM's /version says vllm, llama.cpp's /props says llamacpp, a bare
+    /v1/models says an OpenAI-compatible chat endpoint."""
     status, info = await http.get_json("/server_info")
     if status == 404:
         status, info = await http.get_json("/get_server_info")
-    if status == 200 and isinstance(info, dict) and "max_req_input_len" in info:
-        return SGLang
+    if status == 200 and (is_router(info) or isinstance(info, dict) and "max_req_input_len" in info):
+        return SGLang  # an SGLang server, or SGLang's router in front of some (sglang_router.py)
     status, version = await http.get_json("/version")
     if status == 200 and isinstance(version, dict) and "version" in version:
         return VLLM

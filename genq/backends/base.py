@@ -40,6 +40,9 @@ class Cost(Enum):
     SERVER = "server"  # the server failed while working on it: spared unless it served others meanwhile
     FATAL = "fatal"  # this request can never succeed (400): the job fails at once
     AUTH = "auth"  # the server refused our credentials: the worker waits, no job pays
+    # A replica behind SGLang's router could not be reached: spared whatever the others answered
+    # (the router's other replicas serve on), bounded by --max-spared like SERVER.
+    REPLICA = "replica"
 
 
 @dataclass
@@ -162,14 +165,16 @@ class Http:
         *,
         timeout: float,
         headers: dict[str, str] | None = None,
+        at: str | None = None,
     ) -> tuple[int, bytes, Any]:
-        """(status, body, headers) of one request; transport failures as AttemptError."""
+        """(status, body, headers) of one request; transport failures as AttemptError. ``at``: another
+        server's base URL, reached through this pool (the replicas behind SGLang's router)."""
         assert self._session is not None, "use Http as an async context manager"
         data = orjson.dumps(body) if body is not None else None
         try:
             async with asyncio.timeout(timeout):
                 async with self._session.request(
-                    method, self.base_url + path, data=data, headers=self.headers(headers)
+                    method, (at or self.base_url) + path, data=data, headers=self.headers(headers)
                 ) as resp:
                     return resp.status, await resp.read(), resp.headers
         except TimeoutError as exc:
@@ -184,9 +189,11 @@ class Http:
                 "connection", f"{type(exc).__name__}: {exc}", cost=Cost.SERVER, dropped=True
             ) from exc
 
-    async def get_json(self, path: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[int, Any]:
+    async def get_json(
+        self, path: str, timeout: float = PROBE_TIMEOUT_S, at: str | None = None
+    ) -> tuple[int, Any]:
         """(status, parsed JSON or None) of a GET, for probes."""
-        status, raw, _ = await self.call("GET", path, timeout=timeout)
+        status, raw, _ = await self.call("GET", path, timeout=timeout, at=at)
         try:
             return status, orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError:
@@ -223,8 +230,12 @@ class Backend(ABC):
         the connection, which the timeout already did (vLLM and llama.cpp abort on that)."""
 
     async def healthy(self) -> bool:
+        return await self.answers_health()
+
+    async def answers_health(self, at: str | None = None) -> bool:
+        """The server (or the one at ``at``) answers its health path with 200."""
         try:
-            status, _, _ = await self.http.call("GET", self.health_path, timeout=HEALTH_TIMEOUT_S)
+            status, _, _ = await self.http.call("GET", self.health_path, timeout=HEALTH_TIMEOUT_S, at=at)
         except AttemptError:
             return False
         return status == 200

@@ -28,16 +28,19 @@ Facts from SGLang's own source (the wheels 0.4.6 to 0.5.23, paths under ``sglang
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 from typing import Any
 
 from genq import sampling
+from genq.backends import sglang_router
 from genq.backends.base import (
     Answer,
     AttemptError,
     Backend,
     Cost,
+    Http,
     ServerInfo,
     ServerRefused,
     error_message,
@@ -59,28 +62,72 @@ class SGLang(Backend):
 
     # -- probe ------------------------------------------------------------------------------
 
+    def __init__(self, http: Http, model: str | None = None) -> None:
+        super().__init__(http, model)
+        # Behind SGLang's router (sglang_router.py): the replicas it lists, and the one whose facts
+        # the probe read (None: genq cannot reach any, so it can neither abort nor ask them).
+        self.router = False
+        self.replicas: list[str] = []
+        self.reached: str | None = None
+
+    async def _server_info(self, at: str | None = None) -> tuple[int, Any]:
+        status, info = await self.http.get_json("/server_info", at=at)
+        if status == 404:  # SGLang <= 0.5.5 has only the old name, which the router answers too
+            status, info = await self.http.get_json("/get_server_info", at=at)
+        return status, info
+
+    async def _replica_info(self) -> dict[str, Any]:
+        """The router's replicas, and the server facts of the first that answers genq."""
+        self.replicas = await sglang_router.replica_urls(self.http)
+        for replica in self.replicas:
+            with contextlib.suppress(AttemptError):
+                status, info = await self._server_info(at=replica)
+                if status == 200 and isinstance(info, dict) and "max_req_input_len" in info:
+                    self.reached = replica
+                    return info
+        return {}
+
+    def _router_note(self) -> str:
+        listed = ", ".join(self.replicas) or "none listed"
+        if self.reached:
+            return (
+                f"behind SGLang's router, {len(self.replicas)} replicas ({listed}); version, context "
+                f"and seeds read from {self.reached}; aborts and health checks go to the replicas; "
+                + sglang_router.RETRIES_NOTE
+            )
+        return (
+            f"behind SGLang's router, whose replicas ({listed}) genq cannot reach: version, context "
+            "length and seed support unknown (give enqueue --context-length); a request given up on "
+            "is abandoned by closing its connection, as the router forwards no /abort_request; "
+            + sglang_router.RETRIES_NOTE
+        )
+
     async def probe(self) -> ServerInfo:
         url = self.http.base_url
-        status, info = await self.http.get_json("/server_info")
-        if status == 404:  # SGLang <= 0.5.5 has only the old name
-            status, info = await self.http.get_json("/get_server_info")
+        status, info = await self._server_info()
+        self.router = status == 200 and sglang_router.is_router(info)
+        if self.router:
+            info = await self._replica_info()
         if status in (401, 403):
             raise ServerRefused(f"{url} refused genq's API key on /server_info ({status}): {_key_hint()}")
-        if status != 200 or not isinstance(info, dict) or "max_req_input_len" not in info:
+        known = self.router or isinstance(info, dict) and "max_req_input_len" in info
+        if status != 200 or not known:
             raise ServerRefused(
                 f"{url} does not answer /server_info like SGLang (HTTP {status}); "
                 "is it an SGLang server? (other engines: --backend vllm, openai-chat or llamacpp)"
             )
-        _, model = await self.http.get_json("/model_info")
+        at = self.reached  # behind the router, a replica's own answers (None: this server's)
+        _, model = await self.http.get_json("/model_info", at=at)
         if not isinstance(model, dict):
-            _, model = await self.http.get_json("/get_model_info")
+            _, model = await self.http.get_json("/get_model_info", at=at)
         model = model if isinstance(model, dict) else {}
         # context_length is null unless the server got --context-length; the OpenAI model card
         # has the context the tokenizer manager enforces (max_model_len).
-        _, cards = await self.http.get_json("/v1/models")
+        _, cards = await self.http.get_json("/v1/models", at=at)
         card = cards["data"][0] if isinstance(cards, dict) and cards.get("data") else {}
         version = _str(info.get("version"))
-        seeds = bool(info.get("enable_deterministic_inference"))
+        # None: behind a router whose replicas genq cannot ask.
+        seeds = bool(info.get("enable_deterministic_inference")) if "max_req_input_len" in info else None
         result = ServerInfo(
             backend=self.name,
             url=url,
@@ -90,8 +137,10 @@ class SGLang(Backend):
             max_input_len=_int(info.get("max_req_input_len")),
             seeds=seeds,
         )
+        if self.router:
+            result.notes.append(self._router_note())
         await self._probe_generate(result)
-        if not seeds:
+        if seeds is False:
             result.notes.append(
                 "it ignores sampling_seed (started without --enable-deterministic-inference): "
                 "samples that rely on seeds are not reproducible"
@@ -156,9 +205,27 @@ class SGLang(Backend):
         return answer(parse_json(raw))
 
     async def abort(self, rid: str) -> None:
-        """``POST /abort_request``: the GPU stops working on a request genq gave up on."""
+        """``POST /abort_request``: the GPU stops working on a request genq gave up on. Behind the
+        router, to every replica genq can reach (the router has no such route)."""
+        if not self.router:
+            await self._abort_at(rid, None)
+        elif self.reached:
+            await asyncio.gather(*(self._abort_at(rid, replica) for replica in self.replicas))
+
+    async def _abort_at(self, rid: str, at: str | None) -> None:
         with contextlib.suppress(AttemptError):  # best effort: a server that is gone is not working
-            await self.http.call("POST", "/abort_request", {"rid": rid}, timeout=10)
+            await self.http.call("POST", "/abort_request", {"rid": rid}, timeout=10, at=at)
+
+    async def healthy(self) -> bool:
+        """Behind the router, whose own /health answers 200 whatever its replicas do: any replica
+        answers its /health (the list read again each time), or, when genq cannot reach them, the
+        router's own health checks found one healthy."""
+        if not self.router:
+            return await super().healthy()
+        if not self.reached:
+            return await sglang_router.ready_replicas(self.http) > 0
+        self.replicas = await sglang_router.replica_urls(self.http) or self.replicas
+        return any(await asyncio.gather(*(self.answers_health(replica) for replica in self.replicas)))
 
 
 def classify(status: int, raw: bytes, headers: Any) -> AttemptError:
@@ -174,6 +241,9 @@ def classify(status: int, raw: bytes, headers: Any) -> AttemptError:
         exc.kind, exc.down = "server_timeout", False  # the server is up; this generation ran too long
     elif status == 503 and "Retracted" in message:
         exc.down = False  # memory pressure: the server is up
+    elif status == 500 and sglang_router.unreachable(raw):
+        # SGLang's router could not reach a replica: that replica's outage, not the prompt's.
+        exc.kind, exc.cost, exc.down = "connection", Cost.REPLICA, True
     return exc
 
 
