@@ -1,0 +1,137 @@
+"""The docs name only what exists: every flag and every GENQ_* variable in README.md and docs/*.md.
+
+A flag is genq's (any command's, read from the live command line), a benchmark script's, or one of
+the other programs' flags listed in EXTERNAL with the program it belongs to. Where a line shows
+`genq <command> ... --flag`, the flag must be that command's. A GENQ_* variable is a command's
+environment variable, or is read somewhere in genq's code, units, compose file or scripts.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+
+from genq.commands.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SOURCES = ["genq", "producer", "worker", "collector", "sim", "ops", "bench", "compose.yaml", "Makefile"]
+FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
+VARIABLE = re.compile(r"\bGENQ_[A-Z0-9_]+\b")
+# `genq CMD` and what follows it on the line, up to a pipe, `;`, `&&` or the end of a code span.
+COMMAND_LINE = re.compile(r"\bgenq ([a-z][a-z-]*)([^|;&`\n]*)")
+
+EXTERNAL = {
+    # SGLang's launch_server and its router
+    "--device": "SGLang",
+    "--enable-deterministic-inference": "SGLang",
+    "--enable-metrics": "SGLang",
+    "--disable-retries": "sglang-router",
+    # vLLM's api_server
+    "--enable-prompt-tokens-details": "vLLM",
+    "--max-model-len": "vLLM",
+    "--max-num-queued-reqs": "vLLM",
+    # llama.cpp's llama-server
+    "--kv-unified": "llama-server",
+    "--parallel": "llama-server",
+    # podman, podman-compose, systemd, pip, redis-server
+    "--build": "podman-compose",
+    "--build-arg": "podman build",
+    "--env-file": "podman-compose",
+    "--init": "podman",
+    "--layers": "podman build",
+    "--network": "podman",
+    "--profile": "podman-compose",
+    "--restart": "podman",
+    "--stop-timeout": "podman",
+    "--volumes": "podman-compose down",
+    "--now": "systemctl",
+    "--find-links": "pip",
+    "--no-index": "pip",
+    "--sentinel": "redis-server",
+    "--tls-port": "redis-server",
+    "--tls-cert-file": "redis-server",
+    "--tls-key-file": "redis-server",
+    "--tls-ca-cert-file": "redis-server",
+}
+
+
+def _commands() -> dict[str, click.Command]:
+    ctx = click.Context(main)
+    return {name: main.get_command(ctx, name) for name in main.list_commands(ctx)}  # type: ignore[misc]
+
+
+def _flags(command: click.Command) -> set[str]:
+    found = {"--help", "-h"}
+    for param in command.params:
+        found.update(param.opts, param.secondary_opts)
+    if isinstance(command, click.Group):
+        for sub in _commands_of(command).values():
+            found |= _flags(sub)
+    return found
+
+
+def _commands_of(group: click.Group) -> dict[str, click.Command]:
+    ctx = click.Context(group)
+    return {name: group.get_command(ctx, name) for name in group.list_commands(ctx)}  # type: ignore[misc]
+
+
+def _bench_flags() -> set[str]:
+    pattern = re.compile(r'add_argument\(\s*"(--[a-z-]+)"')
+    return {flag for path in (ROOT / "bench").glob("*.py") for flag in pattern.findall(path.read_text())}
+
+
+def _variables() -> set[str]:
+    found: set[str] = set()
+    for command in _commands().values():
+        for param in command.params:
+            env = getattr(param, "envvar", None)
+            found.update([env] if isinstance(env, str) else env or [])
+    for name in SOURCES:
+        path = ROOT / name
+        for file in [path] if path.is_file() else path.rglob("*"):
+            if file.is_file() and file.suffix not in {".png", ".svg", ".pyc"}:
+                found.update(VARIABLE.findall(file.read_text(errors="replace")))
+    return found
+
+
+def _doc_lines():
+    for doc in DOCS:
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            yield f"{doc.relative_to(ROOT)}:{number}", line
+
+
+def test_every_flag_the_docs_name_exists():
+    commands = _commands()
+    known = set().union(*(_flags(c) for c in commands.values())) | _bench_flags() | set(EXTERNAL)
+    named = [(where, flag) for where, line in _doc_lines() for flag in FLAG.findall(line)]
+    assert len(named) > 300, "the docs' flags were not found: the pattern is broken"
+    unknown = [f"{where}: {flag}" for where, flag in named if flag not in known]
+    assert not unknown, "flags the docs name that nothing has:\n" + "\n".join(unknown)
+    assert not [f for f in EXTERNAL if f in known - set(EXTERNAL)], "a genq flag is listed as external"
+
+
+def test_flags_shown_after_a_command_are_that_commands():
+    commands = _commands()
+    checked, misplaced = 0, []
+    for where, line in _doc_lines():
+        for match in COMMAND_LINE.finditer(line):
+            command = commands.get(match.group(1))
+            if command is None:
+                continue
+            for flag in FLAG.findall(match.group(2)):
+                checked += 1
+                if flag not in _flags(command):
+                    misplaced.append(f"{where}: genq {match.group(1)} has no {flag}")
+    assert checked > 50, "no `genq <command> --flag` found in the docs: the pattern is broken"
+    assert not misplaced, "\n".join(misplaced)
+
+
+def test_every_variable_the_docs_name_is_read_somewhere():
+    variables = _variables()
+    named = [(where, v) for where, line in _doc_lines() for v in VARIABLE.findall(line)]
+    assert len(named) > 30, "the docs' variables were not found: the pattern is broken"
+    unknown = [f"{where}: {v}" for where, v in named if v not in variables]
+    assert not unknown, "variables the docs name that nothing reads:\n" + "\n".join(unknown)
