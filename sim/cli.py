@@ -26,7 +26,8 @@ RATE = click.FloatRange(0.0, 1.0)
 
 def _option(flag: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A click option whose env var is GENQ_SIM_ plus the flag's name."""
-    envvar = "GENQ_SIM_" + flag.lstrip("-").replace("-", "_").upper()
+    # An on/off pair ("--x/--no-x") is one variable, named after its first half.
+    envvar = "GENQ_SIM_" + flag.split("/")[0].lstrip("-").replace("-", "_").upper()
     return click.option(flag, envvar=envvar, show_envvar=True, show_default=True, **kwargs)
 
 

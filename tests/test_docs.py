@@ -88,7 +88,7 @@ def _variables() -> set[str]:
     for command in _commands().values():
         for param in command.params:
             env = getattr(param, "envvar", None)
-            found.update([env] if isinstance(env, str) else env or [])
+            found.update(_listed(env) if env else [])
     for name in SOURCES:
         path = ROOT / name
         for file in [path] if path.is_file() else path.rglob("*"):
@@ -135,3 +135,21 @@ def test_every_variable_the_docs_name_is_read_somewhere():
     assert len(named) > 30, "the docs' variables were not found: the pattern is broken"
     unknown = [f"{where}: {v}" for where, v in named if v not in variables]
     assert not unknown, "variables the docs name that nothing reads:\n" + "\n".join(unknown)
+
+
+def test_every_options_variable_is_a_well_formed_name():
+    """An on/off pair (`--x/--no-x`) gets one variable named after its first half, never a name
+    with the slash in it."""
+    names = [
+        (name, param.name, param.envvar)
+        for name, command in _commands().items()
+        for param in command.params
+        if getattr(param, "envvar", None)
+    ]
+    assert len(names) > 50
+    bad = [n for n in names if not all(VARIABLE.fullmatch(v) for v in _listed(n[2]))]
+    assert not bad, bad
+
+
+def _listed(envvar: str | list[str]) -> list[str]:
+    return [envvar] if isinstance(envvar, str) else list(envvar)
