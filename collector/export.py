@@ -228,7 +228,12 @@ def _chat(view: _View, fmt: str, reasoning_content: bool) -> dict[str, Any] | st
     default=None,
     help="Write under this folder (default: DIR), one subfolder per dataset.",
 )
-@option("--dataset", default=None, help="Only this dataset (default: every folder of DIR with results).")
+@option(
+    "--dataset",
+    env="GENQ_EXPORT_DATASET",  # not GENQ_DATASET: that names the dataset enqueue writes
+    default=None,
+    help="Only this dataset (default: every folder of DIR with results).",
+)
 @option("--reasoning-content", is_flag=True, help="Keep the reasoning as the answer's reasoning_content.")
 @option("--include-truncated", is_flag=True, help="Also export outputs cut by max_new_tokens.")
 @option(

@@ -52,6 +52,10 @@ KEYS: dict[str, tuple[type, ...]] = {
 }
 
 
+# The settings with a flag of their own (--seed is sampling_seed); --sampling-params takes the rest.
+FLAGGED = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed")
+
+
 class SamplingError(ValueError):
     """A sampling setting an engine would refuse; the message names it."""
 
@@ -158,7 +162,7 @@ def sampling_options(func: Callable) -> Callable:
         values = {f.name: kwargs.pop(f.name) for f in fields(Sampling)}
         ctx = click.get_current_context()
         given = values["sampling_params"] or {}
-        for name in ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed"):
+        for name in FLAGGED:
             key = "sampling_seed" if name == "seed" else name
             explicit = ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT
             if key in given and explicit:
@@ -203,11 +207,9 @@ def sampling_options(func: Callable) -> Callable:
             "--sampling-params",
             callback=json_object('{"repetition_penalty": 1.05}'),
             default=None,
-            help="JSON object of any other sampling setting, in SGLang's names: min_p, "
-            "repetition_penalty, frequency_penalty, presence_penalty, stop, stop_regex, ignore_eos, "
-            "min_new_tokens, no_stop_trim, json_schema, regex, ebnf, skip_special_tokens, "
-            "spaces_between_special_tokens, logit_bias, custom_params. Checked at enqueue; a misspelled "
-            "key is an error.",
+            help="JSON object of any other sampling setting, in SGLang's names: "
+            + ", ".join(k for k in KEYS if k not in FLAGGED and k != "sampling_seed")
+            + ". Checked at enqueue; a misspelled key is an error.",
         ),
     ]
     for decorator in reversed(decorators):

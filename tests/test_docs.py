@@ -153,3 +153,16 @@ def test_every_options_variable_is_a_well_formed_name():
 
 def _listed(envvar: str | list[str]) -> list[str]:
     return [envvar] if isinstance(envvar, str) else list(envvar)
+
+
+def test_only_the_commands_that_name_a_dataset_read_genq_dataset():
+    """GENQ_DATASET names the dataset `enqueue` (and `run`) writes; a command whose --dataset
+    filters what it shows reads a variable of its own, so an exported GENQ_DATASET cannot
+    silently narrow `failed`, `retry`, `verify` or `export`."""
+    readers = {
+        name
+        for name, command in _commands().items()
+        for param in command.params
+        if "GENQ_DATASET" in _listed(getattr(param, "envvar", None) or [])
+    }
+    assert readers == {"enqueue", "run"}, readers

@@ -108,7 +108,7 @@ def monitor_command(
 
 
 @main.command("failed")
-@option("--dataset", default=None, help="Only this dataset.")
+@option("--dataset", env="GENQ_FAILED_DATASET", default=None, help="Only this dataset.")
 @option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @redis_options
 def failed_command(dataset: str | None, as_json: bool, redis_url: str, namespace: str) -> None:
@@ -130,9 +130,14 @@ def failed_command(dataset: str | None, as_json: bool, redis_url: str, namespace
 
 
 @main.command("retry")
-@option("--reason", default=None, help="Only failures whose error class or message contains TEXT.")
-@option("--all", "retry_all", is_flag=True, help="Every failure.")
-@option("--dataset", default=None, help="Only this dataset.")
+@option(
+    "--reason",
+    env="GENQ_RETRY_REASON",
+    default=None,
+    help="Only failures whose error class or message contains TEXT.",
+)
+@option("--all", "retry_all", env="GENQ_RETRY_ALL", is_flag=True, help="Every failure.")
+@option("--dataset", env="GENQ_RETRY_DATASET", default=None, help="Only this dataset.")
 @redis_options
 def retry_command(
     reason: str | None, retry_all: bool, dataset: str | None, redis_url: str, namespace: str

@@ -233,7 +233,12 @@ def print_audit(result: Audit) -> None:
 @click.command("verify")
 @click.argument("files", nargs=-1)
 @option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="The output folder.")
-@option("--dataset", default=None, help="The dataset (default: FILES' first stem, or every dataset).")
+@option(
+    "--dataset",
+    env="GENQ_VERIFY_DATASET",  # not GENQ_DATASET: that names the dataset enqueue writes
+    default=None,
+    help="The dataset (default: FILES' first stem, or every dataset).",
+)
 @option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @redis_options
 def verify_command(
