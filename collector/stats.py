@@ -26,9 +26,9 @@ from typing import Any
 
 import click
 import orjson
-from rich.console import Console
 from rich.table import Table
 
+from genq import terminal
 from genq.schema import cut_short
 from genq.settings import option
 
@@ -274,7 +274,7 @@ def stats_command(folder: Path, as_json: bool) -> None:
     if as_json:
         click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
-    console = Console()
+    console = terminal.console()
     if not stats:
         console.print(f"no *.jsonl files under {folder}")
         return

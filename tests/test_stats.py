@@ -156,3 +156,21 @@ def test_stats_text_names_unrecognized_lines_and_a_folder_of_one_dataset(procs: 
     # Pointed at one dataset's folder, files directly in it are that dataset.
     res = procs.run("stats", root / "other", "--json")
     assert orjson.loads(res.stdout)["datasets"]["other"]["records"] == 3
+
+
+def test_stats_piped_prints_every_number_whole(procs: Procs, tmp_path):
+    """Piped (not a terminal), rich would assume 80 columns and cut numbers (`23,4…`)."""
+    folder = tmp_path / "out" / "a-dataset-with-a-long-name-for-the-table"
+    folder.mkdir(parents=True)
+    write_jsonl(
+        folder / "raw_responses.jsonl",
+        [
+            {"id": f"x-{i}", "prompt_tokens": 123_456_789, "completion_tokens": 23_456_789, "output_ids": [1]}
+            for i in range(3)
+        ],
+    )
+    res = procs.run("stats", tmp_path / "out")
+    assert res.returncode == 0, res.stderr
+    assert "…" not in res.stdout, res.stdout
+    for number in ("370,370,367", "70,370,367", "23,456,789", "a-dataset-with-a-long-name-for-the-table"):
+        assert number in res.stdout, res.stdout

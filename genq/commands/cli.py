@@ -12,7 +12,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from genq import __version__, failures
+from genq import __version__, failures, terminal
 from genq.commands import monitor as monitor_view
 from genq.commands.status import status
 from genq.connection import connect, redact
@@ -66,7 +66,7 @@ def status_command(as_json: bool, redis_url: str, namespace: str) -> None:
     if as_json:
         click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
-    console = Console()
+    console = terminal.console()
     console.print(f"genq namespace {namespace!r}")
     for part in (
         monitor_view.counts_table(data),
@@ -126,7 +126,7 @@ def failed_command(dataset: str | None, as_json: bool, redis_url: str, namespace
         table.add_column(col, justify="right" if col == "count" else "left", overflow="fold")
     for g in groups:
         table.add_row(str(len(g.ids)), g.error, g.message, ", ".join(g.ids[:3]))
-    Console().print(table)
+    terminal.console().print(table)
 
 
 @main.command("retry")

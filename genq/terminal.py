@@ -1,0 +1,21 @@
+"""The console every command prints tables with: rich's, never cutting a number.
+
+Piped into a file or `less`, rich assumes 80 columns and shortens what does not fit (`avg 2,3…`).
+Tables only grow as wide as their content, so off a terminal the console is given room enough for
+any of them; on a terminal it keeps the terminal's width.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+PIPED_WIDTH = 1000  # columns when stdout is not a terminal
+
+
+def console(**kwargs: Any) -> Console:
+    found = Console(**kwargs)
+    if not found.is_terminal and "width" not in kwargs:
+        return Console(width=PIPED_WIDTH, **kwargs)
+    return found
