@@ -7,8 +7,9 @@
   and the regenerated ``gpt`` turn.
 - ``messages``: ``messages.jsonl``, OpenAI-style ``messages`` likewise.
 
-Records are streamed line by line; a line still being written (no newline yet) is left for the next
-export. Besides genq's records, the older shapes users have on disk are read too: OpenAI chat
+Records are exported in the order of their rows in the dataset (then samples), each with the row's
+own ``source_id``, whatever order they finished in; a line still being written (no newline yet) is
+left for the next export. Besides genq's records, the older shapes users have on disk are read too: OpenAI chat
 completions (``choices[0].message``) and pre-tokenized rows (``input_ids`` + ``loss_mask``). Every
 record left out is counted with its reason. Each file is written aside and renamed into place, so
 an export cut short never looks finished.
@@ -17,6 +18,7 @@ an export cut short never looks finished.
 from __future__ import annotations
 
 import os
+from array import array
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -93,6 +95,8 @@ def export_dataset(
             if isinstance(row, str):
                 result.skipped[row] += 1
                 continue
+            if record.get("source_id") is not None:
+                row["source_id"] = record["source_id"]  # the user's own id of the row
             fh.write(orjson.dumps(row) + b"\n")
             result.written += 1
         fh.flush()
@@ -102,15 +106,40 @@ def export_dataset(
 
 
 def _records(raw: Path) -> Iterator[dict[str, Any]]:
+    """The records in the order of their rows in the dataset (and samples within a row), not the
+    order they finished in; lines without a row (other tools' shapes) after them, in file order.
+
+    Two passes keep memory small: the first notes each line's row, sample and offset (16 bytes a
+    line), the second reads the lines in order."""
+    keys, offsets = array("q"), array("q")
     with raw.open("rb") as fh:
+        offset = 0
         for line_no, line in enumerate(fh, start=1):
             if not line.endswith(b"\n"):
-                return  # the collector is writing it: the next export takes it
+                break  # the collector is writing it: the next export takes it
             if line.strip():
-                try:
-                    yield orjson.loads(line)
-                except orjson.JSONDecodeError as exc:
-                    raise click.ClickException(f"{raw}:{line_no}: malformed JSON: {exc}") from exc
+                keys.append(_order(_parse(raw, line_no, line), line_no))
+                offsets.append(offset)
+            offset += len(line)
+        for index in sorted(range(len(keys)), key=keys.__getitem__):
+            fh.seek(offsets[index])
+            yield orjson.loads(fh.readline())
+
+
+def _parse(raw: Path, line_no: int, line: bytes) -> Any:
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise click.ClickException(f"{raw}:{line_no}: malformed JSON: {exc}") from exc
+
+
+def _order(record: Any, line_no: int) -> int:
+    """A sort key: the row, then the sample (fewer than 2**20 per row); past every row, the line."""
+    row = record.get("row") if isinstance(record, dict) else None
+    sample = record.get("sample") or 0 if isinstance(record, dict) else 0
+    if isinstance(row, int) and isinstance(sample, int) and 0 <= row < 2**40 and 0 <= sample < 2**20:
+        return row << 20 | sample
+    return 2**62 + line_no
 
 
 def _view(record: dict[str, Any]) -> _View | None:

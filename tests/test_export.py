@@ -152,3 +152,33 @@ def test_reasoning_content_and_the_older_shapes_on_disk(procs, start_sim, out, t
         }
     ]
     assert "left out 3: no prompt conversation in the record" in res.stderr
+
+
+def test_exports_come_in_row_order_with_the_rows_own_ids(procs, tmp_path):
+    """The collector writes records in the order they finished; exports follow the dataset's rows
+    (then samples), keep each row's own id as source_id, and put lines without a row last."""
+    folder = tmp_path / "out" / "ordered"
+    folder.mkdir(parents=True)
+    finished = [(7, 1), (2, 0), (7, 0), (0, 0), (12, 0), (2, 1)]
+    rows = [
+        {
+            "id": f"ordered-{row}-{sample}",
+            "row": row,
+            "sample": sample,
+            "source_id": f"user-{row}",
+            "input_ids": [1, 2],
+            "output_ids": [3, row],
+            "prompt_tokens": 2,
+            "finish_reason": "stop",
+        }
+        for row, sample in finished
+    ]
+    rows.insert(3, {"input_ids": [9, 9], "loss_mask": [0, 1]})  # another tool's pre-tokenized row
+    write_jsonl(folder / "raw_responses.jsonl", rows)
+    res = procs.run("export", tmp_path / "out", "--format", "eagle3")
+    assert res.returncode == 0, res.stderr
+    exported = read_jsonl(folder / "tokenized_data.jsonl")
+    ordered = sorted(finished)
+    assert [e.get("id") for e in exported] == [f"ordered-{r}-{s}" for r, s in ordered] + [None]
+    assert [e.get("source_id") for e in exported] == [f"user-{r}" for r, _ in ordered] + [None]
+    assert exported[-1]["input_ids"] == [9, 9]
