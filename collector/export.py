@@ -9,10 +9,10 @@
 
 Records are exported in the order of their rows in the dataset (then samples), each with the row's
 own ``source_id``, whatever order they finished in; a line still being written (no newline yet) is
-left for the next export. Besides genq's records, the older shapes users have on disk are read too: OpenAI chat
-completions (``choices[0].message``) and pre-tokenized rows (``input_ids`` + ``loss_mask``). Every
-record left out is counted with its reason. Each file is written aside and renamed into place, so
-an export cut short never looks finished.
+left for the next export. Besides genq's records, the older shapes users have on disk are read
+too: OpenAI chat completions (``choices[0].message``) and pre-tokenized rows (``input_ids`` +
+``loss_mask``). Every record left out is counted with its reason. Each file is written aside and
+renamed into place, so an export cut short never looks finished.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ from typing import Any
 import click
 import orjson
 
-from genq.schema import RAW
+from genq.schema import EXPORTS, RAW
 from genq.settings import option
 from genq.templates import ChatTemplate, TemplateError
 
-FILES = {"eagle3": "tokenized_data.jsonl", "sharegpt": "sharegpt.jsonl", "messages": "messages.jsonl"}
 SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
 
 
@@ -245,7 +244,7 @@ def _chat(view: _View, fmt: str, reasoning_content: bool) -> dict[str, Any] | st
     "--format",
     "fmt",
     env="GENQ_EXPORT_FORMAT",
-    type=click.Choice(list(FILES)),
+    type=click.Choice(list(EXPORTS)),
     required=True,
     help="What to write.",
 )
@@ -298,7 +297,7 @@ def export_command(
             raise click.ClickException(f"{raw}: no such file")
         result = export_dataset(
             raw,
-            (export_dir or out_dir) / name / FILES[fmt],
+            (export_dir or out_dir) / name / EXPORTS[fmt],
             fmt,
             reasoning_content,
             include_truncated,

@@ -17,6 +17,7 @@ zero tokens after a format change is why this exists).
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -29,7 +30,7 @@ import orjson
 from rich.table import Table
 
 from genq import terminal
-from genq.schema import cut_short
+from genq.schema import EXPORTS, RAW, cut_short
 from genq.settings import option
 
 MAX_EXAMPLES = 5
@@ -238,13 +239,33 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
 
 
 def files(root: Path) -> Iterator[tuple[str, Path]]:
-    """(dataset, file) for every ``*.jsonl`` under ``root``, hidden folders (.redis, .logs) aside."""
+    """(dataset, file) for every ``*.jsonl`` under ``root``, hidden folders (.redis, .logs) aside,
+    and genq's own exports beside the records they were made from (counting them would count
+    those records twice)."""
     for path in sorted(root.rglob("*.jsonl")):
         rel = path.relative_to(root)
         if any(part.startswith(".") for part in rel.parts):
             continue
+        if _genq_export(path):
+            continue
         folder = rel.parent.as_posix()
         yield (root.resolve().name if folder == "." else folder), path
+
+
+def _genq_export(path: Path) -> bool:
+    """A file `genq export` wrote beside the records it was made from: an export's name, next to
+    raw_responses.jsonl, its first line one of this dataset's job ids (`<dataset>-<row>[-<k>]`,
+    the folder being the dataset). Another tool's file of the same name is read as usual."""
+    if path.name not in EXPORTS.values() or not (path.parent / RAW).exists():
+        return False
+    with path.open("rb") as fh:
+        first = fh.readline()
+    try:
+        job_id = orjson.loads(first).get("id")
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    pattern = rf"{re.escape(path.parent.name)}-\d+(-\d+)?"
+    return isinstance(job_id, str) and re.fullmatch(pattern, job_id) is not None
 
 
 def folder_stats(root: Path) -> dict[str, DatasetStats]:

@@ -18,6 +18,9 @@ JOB_FUNC = "genq.jobs.generate"
 # and `genq verify` read them.
 RAW = "raw_responses.jsonl"
 ERRORS = "errors.jsonl"
+# What `genq export` writes beside them by default, per format; `genq stats` knows its own exports
+# there and does not count their records twice (collector/stats.py).
+EXPORTS = {"eagle3": "tokenized_data.jsonl", "sharegpt": "sharegpt.jsonl", "messages": "messages.jsonl"}
 
 RECORD_FIELDS = (
     "id",

@@ -174,3 +174,30 @@ def test_stats_piped_prints_every_number_whole(procs: Procs, tmp_path):
     assert "…" not in res.stdout, res.stdout
     for number in ("370,370,367", "70,370,367", "23,456,789", "a-dataset-with-a-long-name-for-the-table"):
         assert number in res.stdout, res.stdout
+
+
+def test_stats_after_an_export_counts_each_record_once(procs: Procs, tmp_path):
+    """`genq export` writes beside raw_responses.jsonl by default; stats must not count those
+    records again, nor call genq's own export files an unknown shape. The same file names in a
+    folder of their own (another tool's output) are still read."""
+    out = tmp_path / "out"
+    (out / "run").mkdir(parents=True)
+    write_jsonl(
+        out / "run" / "raw_responses.jsonl",
+        [
+            {"id": f"run-{i}", "row": i, "input_ids": [1, 2], "output_ids": [3, 4, 5], "prompt_tokens": 2,
+             "completion_tokens": 3, "finish_reason": "stop", "messages": [{"role": "user", "content": "q"}],
+             "content": "a"}
+            for i in range(3)
+        ],
+    )  # fmt: skip
+    for fmt in ("eagle3", "sharegpt", "messages"):
+        assert procs.run("export", out, "--format", fmt).returncode == 0
+    (out / "other").mkdir()
+    write_jsonl(out / "other" / "tokenized_data.jsonl", [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
+    res = procs.run("stats", out, "--json")
+    assert res.returncode == 0, res.stderr
+    data = orjson.loads(res.stdout)["datasets"]
+    assert (data["run"]["records"], data["run"]["completion_tokens"]) == (3, 9), data["run"]
+    assert data["run"]["unrecognized"]["lines"] == 0, data["run"]
+    assert data["other"]["records"] == 1
