@@ -17,6 +17,7 @@ renamed into place, so an export cut short never looks finished.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from array import array
 from collections import Counter
@@ -87,6 +88,8 @@ def export_dataset(
                 result.rendered += not isinstance(row, str)
             elif fmt == "eagle3" and view.turns is not None:
                 row = "a conversation: eagle3 renders it whole with --tokenizer (the dataset's)"
+            elif fmt == "eagle3" and view.prompt_ids is None and _text_prompt(view) is not None:
+                row = _text_prompted(view, template)
             elif fmt == "eagle3":
                 row = _eagle3(view)
             else:
@@ -195,6 +198,33 @@ def _eagle3(view: _View) -> dict[str, Any] | str:
     }
 
 
+def _text_prompt(view: _View) -> str | None:
+    """The prompt text of a record whose prompt was sent as plain text (no chat template, so no
+    ids kept): the one user message the worker keeps for it (worker/record.py)."""
+    messages = view.messages or []
+    if view.output_ids is None or view.turns is not None or len(messages) != 1:
+        return None
+    content = messages[0].get("content") if messages[0].get("role") == "user" else None
+    return content if isinstance(content, str) else None
+
+
+def _text_prompted(view: _View, template: ChatTemplate | None) -> dict[str, Any] | str:
+    """eagle3 of a text prompt: its ids as the server read them (the tokenizer's plain encoding,
+    checked against the server's prompt_tokens), then the server's own output ids."""
+    if template is None:
+        return (
+            "a text prompt sent without a tokenizer (the server tokenized it; the record has no "
+            "prompt ids): pass --tokenizer with the server's model to encode it as the server did"
+        )
+    ids = template.encode(_text_prompt(view) or "")
+    if view.prompt_tokens is not None and len(ids) != view.prompt_tokens:
+        return (
+            f"--tokenizer reads the prompt text as {len(ids)} tokens where the server read "
+            f"{view.prompt_tokens}: not the server's tokenizer"
+        )
+    return _eagle3(dataclasses.replace(view, prompt_ids=ids))
+
+
 def _rendered(view: _View, template: ChatTemplate, reasoning_content: bool) -> dict[str, Any] | str:
     """The regenerated conversation rendered whole with the chat template, loss on every assistant
     turn: a conversation (``--turns all``), or a text-only record (a chat backend's). The ids are
@@ -268,7 +298,8 @@ def _chat(view: _View, fmt: str, reasoning_content: bool) -> dict[str, Any] | st
     "--tokenizer",
     default=None,
     help="eagle3: render conversations (--turns all) and text-only records (a chat backend's) with this "
-    "tokenizer's chat template, loss on every assistant turn.",
+    "tokenizer's chat template, loss on every assistant turn; encode prompts sent as plain text "
+    "(enqueued without --tokenizer) as the server did.",
 )
 def export_command(
     out_dir: Path,

@@ -116,6 +116,11 @@ class ChatTemplate:
             return f"chat template: {type(exc).__name__}: {exc}"
         return whole, mask
 
+    def encode(self, text: str) -> list[int]:
+        """Plain text as an engine's tokenizer manager reads a ``text`` prompt (SGLang's
+        tokenizer_manager.py: ``tokenizer.encode(text)``, special tokens such as BOS added)."""
+        return list(self.tokenizer.encode(text))
+
     # -- single tokens (think markers) ----------------------------------------------------
 
     def token_id(self, text: str) -> int | None:

@@ -182,3 +182,35 @@ def test_exports_come_in_row_order_with_the_rows_own_ids(procs, tmp_path):
     assert [e.get("id") for e in exported] == [f"ordered-{r}-{s}" for r, s in ordered] + [None]
     assert [e.get("source_id") for e in exported] == [f"user-{r}" for r, _ in ordered] + [None]
     assert exported[-1]["input_ids"] == [9, 9]
+
+
+def test_eagle3_of_text_prompts_encodes_them_as_the_server_did(procs, tmp_path, tokenizer_dir):
+    """Text prompts enqueued without a tokenizer (the demo's) reach the server as text: the record
+    has no prompt ids. eagle3 says so and what to pass; with --tokenizer it encodes the text as
+    the server's tokenizer manager does, checked against the server's prompt_tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    folder = tmp_path / "out" / "texts"
+    folder.mkdir(parents=True)
+    prompts = ["Explain binary search.", "Write a haiku about queues."]
+    records = [
+        {"id": f"texts-{i}", "row": i, "output_ids": [5, 6, 7], "prompt_tokens": len(tok.encode(p)),
+         "finish_reason": "stop", "messages": [{"role": "user", "content": p}], "input_ids": None}
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+    records[1]["prompt_tokens"] += 1  # as if another tokenizer had read it
+    write_jsonl(folder / "raw_responses.jsonl", records)
+
+    res = procs.run("export", tmp_path / "out", "--format", "eagle3")
+    assert res.returncode == 0, res.stderr
+    assert read_jsonl(folder / "tokenized_data.jsonl") == []
+    assert "left out 2: a text prompt sent without a tokenizer" in res.stderr, res.stderr
+
+    res = procs.run("export", tmp_path / "out", "--format", "eagle3", "--tokenizer", tokenizer_dir)
+    assert res.returncode == 0, res.stderr
+    (exported,) = read_jsonl(folder / "tokenized_data.jsonl")
+    ids = tok.encode(prompts[0])
+    assert exported["input_ids"] == ids + [5, 6, 7]
+    assert exported["loss_mask"] == [0] * len(ids) + [1, 1, 1]
+    assert "not the server's tokenizer" in res.stderr, res.stderr
