@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -147,3 +148,31 @@ def test_rerun_on_a_fresh_redis_runs_nothing_already_on_disk(tmp_path, redis_url
     looks = PROGRESS.findall(stderr.decode())
     assert looks and looks[0] == ("120", "120", "0", "0", "0"), f"the second run had work: {looks}"
     check_records(out, "again", prompts, {"max_new_tokens": 300})
+
+
+def test_simulate_refuses_an_api_the_simulator_does_not_speak(tmp_path):
+    """`--simulate --backend llamacpp` fails at once, in one line, before anything starts."""
+    data = tmp_path / "p.jsonl"
+    write_prompts(data, 3)
+    proc = _run(data, tmp_path / "out", "--backend", "llamacpp")
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    lines = [line for line in stderr.decode().splitlines() if line.startswith("Error")]
+    assert lines and "--simulate speaks" in lines[0] and "llama-server" in lines[0], stderr
+    assert not (tmp_path / "out" / ".redis").exists(), "nothing may start"
+
+
+def test_a_redis_from_the_environment_is_said_at_start(tmp_path, redis_url):
+    """An exported GENQ_REDIS_URL turns the private Redis off: genq run says so, and how to undo."""
+    data = tmp_path / "env.jsonl"
+    prompts = write_prompts(data, 20)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "genq", "run", str(data), "--out", str(out), "--simulate",
+         "--sim-latency", "zero", "--max-new-tokens", "300", "--namespace", "fromenv"],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "GENQ_REDIS_URL": redis_url},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(from GENQ_REDIS_URL; unset it for a private one)" in proc.stderr, proc.stderr
+    assert not (out / ".redis").exists()
+    check_records(out, "env", prompts, {"max_new_tokens": 300})

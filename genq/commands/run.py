@@ -39,6 +39,8 @@ class Interrupted(Exception):
 # run forwards what was typed to enqueue, which converts and checks it (one place does that).
 # How often `genq run` looks at the progress: the end is noticed at most this late.
 FOLLOW_EVERY_S = 0.1
+# The APIs `genq sim-server` speaks (its --api); auto means SGLang's.
+SIMULATED = ("auto", "sglang", "vllm", "openai-chat")
 _RUN_OWN = {"files", "dataset", "server", "backend", "redis_url", "namespace", "register_only"}
 
 
@@ -115,8 +117,14 @@ def run_command(
     """
     if bool(server) == bool(simulate):
         raise click.UsageError("give exactly one of --server URL or --simulate")
+    if simulate and backend not in SIMULATED:
+        raise click.UsageError(
+            f"--simulate speaks {', '.join(SIMULATED)}, not {backend}: for llama.cpp start llama-server "
+            "and pass --server URL (`make real-engine` runs the example on one)"
+        )
     ctx = click.get_current_context()
-    embedded = ctx.get_parameter_source("redis_url") == click.core.ParameterSource.DEFAULT
+    source = ctx.get_parameter_source("redis_url")
+    embedded = source == click.core.ParameterSource.DEFAULT
     out.mkdir(parents=True, exist_ok=True)
     logs = out / ".logs"
     logs.mkdir(exist_ok=True)
@@ -135,7 +143,10 @@ def run_command(
         keys = Keys(namespace)
         # Through the environment, never argv: a password in the URL must not show in `ps`.
         env = {"GENQ_REDIS_URL": redis_url, "GENQ_NAMESPACE": namespace}
-        where = f" (private, persisted in {out / '.redis'})" if embedded else ""
+        where = {
+            click.core.ParameterSource.DEFAULT: f" (private, persisted in {out / '.redis'})",
+            click.core.ParameterSource.ENVIRONMENT: " (from GENQ_REDIS_URL; unset it for a private one)",
+        }.get(source, "")
         click.echo(f"genq run: Redis {redact(redis_url)}{where}", err=True)
         if embedded:
             back = requeue_orphans(conn, keys)
@@ -225,7 +236,7 @@ run_command.params.extend(ENQUEUE_PARAMS)
 
 
 def _sim_api(backend: str) -> str:
-    return backend if backend in ("vllm", "openai-chat") else "sglang"
+    return "sglang" if backend == "auto" else backend
 
 
 def _start(
