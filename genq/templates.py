@@ -13,6 +13,7 @@ transformers is imported here only, and only when a template is used: `genq enqu
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from typing import Any
 
@@ -44,9 +45,20 @@ class ChatTemplate:
         self.kwargs = dict(kwargs or {})
 
     @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> ChatTemplate:
-        """The template a job names (:meth:`spec`), loaded here; TemplateError if this host's copy
-        of the tokenizer renders with another template than the one the job was enqueued with."""
+    def from_spec(cls, spec: dict[str, Any], prompting: dict[str, Any]) -> ChatTemplate:
+        """The template a job names (:meth:`spec`), loaded here. TemplateError if it is not the one
+        its dataset's settings (``prompting``) recorded: a job is Redis content, and must not pick
+        the tokenizer folder or smuggle a ``chat_template`` in through the kwargs; or if this
+        host's copy of the tokenizer renders with another template than enqueue's did."""
+        recorded = {
+            "tokenizer": prompting.get("tokenizer"),
+            "kwargs": prompting.get("chat_template_kwargs") or {},
+            "fingerprint": prompting.get("chat_template"),
+        }
+        if {**spec, "kwargs": spec.get("kwargs") or {}} != recorded:
+            raise TemplateError(
+                f"the job's chat template {spec} is not the one its dataset recorded {recorded}"
+            )
         template = cls(spec["tokenizer"], spec.get("kwargs"))
         if template.fingerprint != spec.get("fingerprint"):
             raise TemplateError(
@@ -61,9 +73,13 @@ class ChatTemplate:
 
     @property
     def fingerprint(self) -> str:
-        """A short hash of the template text: a changed template is another recipe (decision 12)."""
+        """A short hash of the template text and the kwargs it is rendered with (a ``chat_template``
+        among them replaces the text): a changed template is another recipe (decision 12). Without
+        kwargs, the hash of the text alone, as before the kwargs were covered."""
         template = self.tokenizer.chat_template
         text = template if isinstance(template, str) else repr(sorted(template.items()))
+        if self.kwargs:
+            text += "\0" + json.dumps(self.kwargs, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def render(self, conversations: list[list[dict[str, Any]]]) -> list[list[int] | str]:
