@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 
@@ -147,10 +147,37 @@ def _through_sentinel(
     return Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs).master_for(master, db=db)
 
 
-def redact(url: str) -> str:
-    """``url`` with any password replaced, for logs and progress lines."""
+def split_password(url: str) -> tuple[str, str | None]:
+    """``url`` without its password (in the userinfo, or a ``password=`` query parameter, which
+    redis-py also reads: redis/connection.py ``parse_url``), and that password, unquoted."""
     parts = urlsplit(url)
-    if parts.password is None:
+    password = None if parts.password is None else unquote(parts.password)
+    netloc = parts.netloc
+    if password is not None:
+        userinfo, _, host = netloc.rpartition("@")
+        user = userinfo.partition(":")[0]
+        netloc = f"{user}@{host}" if user else host
+    kept = []
+    for pair in parts.query.split("&") if parts.query else []:
+        key, _, value = pair.partition("=")
+        if key == "password":
+            password = password or unquote(value)
+        else:
+            kept.append(pair)
+    return _join(parts.scheme, netloc, parts.path, "&".join(kept)), password
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for logs, progress lines and errors."""
+    bare, password = split_password(url)
+    if password is None:
         return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return parts._replace(netloc=netloc).geturl()
+    parts = urlsplit(bare)
+    user, _, host = parts.netloc.rpartition("@")
+    return _join(parts.scheme, f"{user}:***@{host}", parts.path, parts.query)
+
+
+def _join(scheme: str, netloc: str, path: str, query: str) -> str:
+    """A URL from its parts, keeping ``//`` when the host is empty (``unix:///path``), which
+    urllib's ``geturl`` drops."""
+    return f"{scheme}://{netloc}{path}" + (f"?{query}" if query else "")
