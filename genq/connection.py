@@ -51,7 +51,8 @@ def redis_password() -> str | None:
 def connect(url: str, **kwargs: Any) -> redis.Redis:
     """A Redis client for ``url`` that reconnects on its own and never hangs forever.
 
-    ``rediss://`` is TLS; the CA and a client certificate come from GENQ_REDIS_CA_FILE,
+    ``rediss://`` is TLS, and the certificate must name the host (Sentinels' too); a private CA to
+    trust (besides the system's) and a client certificate come from GENQ_REDIS_CA_FILE,
     GENQ_REDIS_CERT_FILE and GENQ_REDIS_KEY_FILE (``?ssl_cert_reqs=none`` skips verification).
     ``redis+sentinel://host:port[,host:port...]/<master>/<db>`` (``rediss+sentinel://`` for TLS), or
     GENQ_REDIS_SENTINELS + GENQ_REDIS_MASTER beside a plain URL, connects through Redis Sentinel:
@@ -65,6 +66,10 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
             kwargs["password"] = password
     if parts.scheme.startswith("rediss"):
         kwargs.setdefault("ssl", True)
+        # The certificate must name the host dialled: redis-py 5.x does not check unless told
+        # (8.x does; redis/connection.py SSLConnection). ``?ssl_cert_reqs=none`` still turns
+        # verification, and with it this check, off.
+        kwargs.setdefault("ssl_check_hostname", True)
         for key, env in _TLS_ENV.items():
             if os.environ.get(env):
                 kwargs.setdefault(key, os.environ[env])
@@ -141,7 +146,7 @@ def _through_sentinel(
         "socket_timeout": 10,
         "password": secret("REDIS_SENTINEL_PASSWORD"),
     }
-    for key in ("ssl", *_TLS_ENV):
+    for key in ("ssl", "ssl_check_hostname", *_TLS_ENV):
         if key in kwargs:
             sentinel_kwargs[key] = kwargs[key]
     return Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs).master_for(master, db=db)

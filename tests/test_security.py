@@ -16,12 +16,16 @@ from pathlib import Path
 import orjson
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from genq.commands.embedded import EmbeddedRedis
-from genq.connection import redact, split_password
+from genq.commands.embedded import EmbeddedRedis, free_port
+from genq.connection import connect, redact, split_password
 from genq.keys import Keys
 from genq.templates import ChatTemplate, TemplateError
 from tests.helpers import check_records, genq_argv, log_of, wait_until, write_prompts
+from tests.test_settings import RedisServer, clean_env, openssl, pki  # noqa: F401 (pki: a fixture)
+from tests.test_settings import genq as settings_genq
 
 PARAMS = {"max_new_tokens": 32}
 
@@ -209,3 +213,33 @@ def test_redact_hides_userinfo_and_query_passwords():
     assert split_password("redis://genq:s%40cret@h/0") == ("redis://genq@h/0", "s@cret")
     assert split_password("unix:///run/redis.sock?password=secret") == ("unix:///run/redis.sock", "secret")
     assert redact("redis://h:6379/0") == "redis://h:6379/0"
+
+
+def test_rediss_refuses_a_certificate_that_names_another_host(tmp_path, pki, monkeypatch):  # noqa: F811
+    """A certificate signed by the trusted CA, but for another host: refused, with one line."""
+    d = pki
+    (d / "other.cnf").write_text("subjectAltName=DNS:elsewhere.example\n")
+    key = ["-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    openssl("req", *key, "-keyout", f"{d}/other.key", "-out", f"{d}/other.csr", "-subj", "/CN=elsewhere")
+    openssl(
+        "x509", "-req", "-in", f"{d}/other.csr", "-CA", f"{d}/ca.crt", "-CAkey", f"{d}/ca.key",
+        "-CAcreateserial", "-days", "1", "-out", f"{d}/other.crt", "-extfile", f"{d}/other.cnf",
+    )  # fmt: skip
+    port = free_port()
+    server = RedisServer(
+        tmp_path, 0, "--tls-port", str(port), "--tls-cert-file", str(d / "other.crt"),
+        "--tls-key-file", str(d / "other.key"), "--tls-auth-clients", "no",
+    )  # fmt: skip
+    url = f"rediss://127.0.0.1:{port}/0"
+    env = {"GENQ_REDIS_CA_FILE": str(d / "ca.crt")}
+    try:
+        server.wait(redis.Redis(port=port, ssl=True, ssl_cert_reqs="none", socket_connect_timeout=1))
+        clean_env(monkeypatch, **env)
+        assert connect(url).connection_pool.connection_kwargs["ssl_check_hostname"] is True
+        with pytest.raises(redis.ConnectionError, match="match|mismatch"):
+            connect(url, retry=Retry(NoBackoff(), 0)).ping()
+        res = settings_genq("status", "--json", env={**env, "GENQ_REDIS_URL": url})
+        assert res.returncode != 0
+        assert len(res.stderr.strip().splitlines()) == 1 and "127.0.0.1" in res.stderr, res.stderr
+    finally:
+        server.stop()
