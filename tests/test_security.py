@@ -23,7 +23,7 @@ from genq.commands.embedded import EmbeddedRedis, free_port
 from genq.connection import connect, redact, split_password
 from genq.keys import Keys
 from genq.templates import ChatTemplate, TemplateError
-from tests.helpers import check_records, genq_argv, log_of, wait_until, write_prompts
+from tests.helpers import check_records, genq_argv, http, log_of, wait_until, write_prompts
 from tests.test_settings import RedisServer, clean_env, openssl, pki  # noqa: F401 (pki: a fixture)
 from tests.test_settings import genq as settings_genq
 
@@ -141,11 +141,17 @@ def test_planted_secrets_appear_nowhere(procs, start_sim, tmp_path):
         assert redis_pw
         host = start_sim("--api-key", api_key, "--latency", "realistic").split("://", 1)[1]
         data = tmp_path / "plant.jsonl"
-        prompts = write_prompts(data, 60)
+        prompts = write_prompts(data, 120)
         out = tmp_path / "out"
         env = {k: v for k, v in procs.env.items() if not k.startswith("GENQ_")}
         env["GENQ_SERVER_API_KEY"] = api_key
         redis_url = f"redis://:{redis_pw}@127.0.0.1:{redis_server.port}/0"
+        port = free_port()
+        dashboard_url = f"redis://127.0.0.1:{redis_server.port}/0?password={redis_pw}"  # redis-py reads it
+        dashboard_env = {"GENQ_REDIS_URL": dashboard_url, "GENQ_NAMESPACE": "genq"}
+        procs.start("dashboard", "--port", str(port), env=dashboard_env)
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http(f"{base}/0/data/queues.json")[0] == 200, 30, "the dashboard")
         run = _run(data, out, env, "--redis", redis_url, "--server", f"http://genq:{url_pw}@{host}")
         seen = _follow(run)
         status_env = {"GENQ_REDIS_URL": redis_server.url, "GENQ_REDIS_PASSWORD": redis_pw}
@@ -155,12 +161,16 @@ def test_planted_secrets_appear_nowhere(procs, start_sim, tmp_path):
             60,
             "a worker in status",
         )
+        pages = {path: http(base + path) for path in ("/", "/0/view/workers", "/0/data/workers.json")}
+        assert all(code == 200 for code, _ in pages.values()), pages
         assert run.wait(240) == 0, (tmp_path / "run.stderr").read_text()[-3000:]
         check_records(out, "plant", prompts, {"max_new_tokens": 64})
         assert len(seen) >= 4, f"redis, collector, enqueue and workers: {seen}"
 
         places = {f"cmdline of {pid}": line for pid, line in seen.items()}
         places["status --json"] = status.encode()
+        places.update({f"dashboard {path}": body for path, (_, body) in pages.items()})
+        assert b"genq.plant" in places["dashboard /0/data/workers.json"], "a worker is on the page"
         for path in tmp_path.rglob("*"):
             if path.is_file() and not path.is_relative_to(tmp_path / "redis"):
                 places[str(path)] = path.read_bytes()
