@@ -22,7 +22,8 @@ from worker.daemon import Worker
     "--server",
     required=True,
     help="Base URL of the SGLang server, e.g. http://127.0.0.1:30000. Its API key (--api-key) comes "
-    "from GENQ_SERVER_API_KEY or GENQ_SERVER_API_KEY_FILE, never from the command line.",
+    "from GENQ_SERVER_API_KEY or GENQ_SERVER_API_KEY_FILE, never from the command line; user:password@ "
+    "in the URL is sent as Basic auth (when there is no key) and stored nowhere.",
 )
 @option(
     "--backend",
