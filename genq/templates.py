@@ -13,7 +13,6 @@ transformers is imported here only, and only when a template is used: `genq enqu
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from typing import Any
 
@@ -73,13 +72,15 @@ class ChatTemplate:
 
     @property
     def fingerprint(self) -> str:
-        """A short hash of the template text and the kwargs it is rendered with (a ``chat_template``
-        among them replaces the text): a changed template is another recipe (decision 12). Without
-        kwargs, the hash of the text alone, as before the kwargs were covered."""
+        """A short hash of the template that renders: a changed template is another recipe (decision
+        12). A ``chat_template`` in the kwargs replaces the tokenizer's (or picks one of its named
+        ones), so it is hashed too; the other kwargs are recorded beside it (``chat_template_kwargs``),
+        and a fingerprint without them matches the ones datasets already carry."""
         template = self.tokenizer.chat_template
         text = template if isinstance(template, str) else repr(sorted(template.items()))
-        if self.kwargs:
-            text += "\0" + json.dumps(self.kwargs, sort_keys=True)
+        override = self.kwargs.get("chat_template")
+        if override is not None:
+            text += "\0" + str(override)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def render(self, conversations: list[list[dict[str, Any]]]) -> list[list[int] | str]:

@@ -69,6 +69,8 @@ def test_a_job_cannot_choose_its_tokenizer_or_smuggle_a_chat_template(tokenizer_
 
     smuggled = ChatTemplate(str(tokenizer_dir), {"chat_template": "{{ 'pwned' }}"})
     assert smuggled.fingerprint != enqueued.fingerprint
+    # Other kwargs are recorded beside it: datasets enqueued before keep their fingerprint.
+    assert ChatTemplate(str(tokenizer_dir), {"enable_thinking": True}).fingerprint == enqueued.fingerprint
     forged = {**enqueued.spec(), "kwargs": smuggled.kwargs}
     other = shutil.copytree(tokenizer_dir, tmp_path / "other")
     for spec in (forged, smuggled.spec(), {**enqueued.spec(), "tokenizer": str(other)}):
