@@ -3,6 +3,7 @@ checks the server's name, and `genq run`'s private Redis is private."""
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from genq.backends import Http
 from genq.commands.embedded import EmbeddedRedis, free_port
 from genq.connection import connect, redact, split_password
 from genq.keys import Keys
@@ -255,3 +257,16 @@ def test_rediss_refuses_a_certificate_that_names_another_host(tmp_path, pki, mon
         assert len(res.stderr.strip().splitlines()) == 1 and "127.0.0.1" in res.stderr, res.stderr
     finally:
         server.stop()
+
+
+def test_server_url_credentials_become_a_basic_header_and_leave_the_url(monkeypatch):
+    """``http://user:pw@host``: the URL genq keeps is bare; the credentials go in a Basic header,
+    unless an API key (a Bearer token) is set, which wins."""
+    monkeypatch.delenv("GENQ_SERVER_API_KEY", raising=False)
+    monkeypatch.delenv("GENQ_SERVER_API_KEY_FILE", raising=False)
+    http_ = Http("http://genq:p%40ss@10.0.0.5:30000/")
+    assert http_.base_url == "http://10.0.0.5:30000"
+    assert http_.headers()["Authorization"] == "Basic " + base64.b64encode(b"genq:p@ss").decode()
+    monkeypatch.setenv("GENQ_SERVER_API_KEY", "key")
+    assert http_.headers()["Authorization"] == "Bearer key"
+    assert Http("http://10.0.0.5:30000").headers().get("Authorization") == "Bearer key"
