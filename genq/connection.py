@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 
@@ -51,7 +51,8 @@ def redis_password() -> str | None:
 def connect(url: str, **kwargs: Any) -> redis.Redis:
     """A Redis client for ``url`` that reconnects on its own and never hangs forever.
 
-    ``rediss://`` is TLS; the CA and a client certificate come from GENQ_REDIS_CA_FILE,
+    ``rediss://`` is TLS, and the certificate must name the host (Sentinels' too); a private CA to
+    trust (besides the system's) and a client certificate come from GENQ_REDIS_CA_FILE,
     GENQ_REDIS_CERT_FILE and GENQ_REDIS_KEY_FILE (``?ssl_cert_reqs=none`` skips verification).
     ``redis+sentinel://host:port[,host:port...]/<master>/<db>`` (``rediss+sentinel://`` for TLS), or
     GENQ_REDIS_SENTINELS + GENQ_REDIS_MASTER beside a plain URL, connects through Redis Sentinel:
@@ -65,6 +66,10 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
             kwargs["password"] = password
     if parts.scheme.startswith("rediss"):
         kwargs.setdefault("ssl", True)
+        # The certificate must name the host dialled: redis-py 5.x does not check unless told
+        # (8.x does; redis/connection.py SSLConnection). ``?ssl_cert_reqs=none`` still turns
+        # verification, and with it this check, off.
+        kwargs.setdefault("ssl_check_hostname", True)
         for key, env in _TLS_ENV.items():
             if os.environ.get(env):
                 kwargs.setdefault(key, os.environ[env])
@@ -141,16 +146,43 @@ def _through_sentinel(
         "socket_timeout": 10,
         "password": secret("REDIS_SENTINEL_PASSWORD"),
     }
-    for key in ("ssl", *_TLS_ENV):
+    for key in ("ssl", "ssl_check_hostname", *_TLS_ENV):
         if key in kwargs:
             sentinel_kwargs[key] = kwargs[key]
     return Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs).master_for(master, db=db)
 
 
-def redact(url: str) -> str:
-    """``url`` with any password replaced, for logs and progress lines."""
+def split_password(url: str) -> tuple[str, str | None]:
+    """``url`` without its password (in the userinfo, or a ``password=`` query parameter, which
+    redis-py also reads: redis/connection.py ``parse_url``), and that password, unquoted."""
     parts = urlsplit(url)
-    if parts.password is None:
+    password = None if parts.password is None else unquote(parts.password)
+    netloc = parts.netloc
+    if password is not None:
+        userinfo, _, host = netloc.rpartition("@")
+        user = userinfo.partition(":")[0]
+        netloc = f"{user}@{host}" if user else host
+    kept = []
+    for pair in parts.query.split("&") if parts.query else []:
+        key, _, value = pair.partition("=")
+        if key == "password":
+            password = password or unquote(value)
+        else:
+            kept.append(pair)
+    return _join(parts.scheme, netloc, parts.path, "&".join(kept)), password
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for logs, progress lines and errors."""
+    bare, password = split_password(url)
+    if password is None:
         return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return parts._replace(netloc=netloc).geturl()
+    parts = urlsplit(bare)
+    user, _, host = parts.netloc.rpartition("@")
+    return _join(parts.scheme, f"{user}:***@{host}", parts.path, parts.query)
+
+
+def _join(scheme: str, netloc: str, path: str, query: str) -> str:
+    """A URL from its parts, keeping ``//`` when the host is empty (``unix:///path``), which
+    urllib's ``geturl`` drops."""
+    return f"{scheme}://{netloc}{path}" + (f"?{query}" if query else "")

@@ -6,14 +6,18 @@ generation settings is refused unless the caller says so explicitly.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from genq.keys import Keys
+from genq.keys import Keys, validate_name
 from genq.schema import dumps, loads, now_iso
+
+log = logging.getLogger("genq.datasets")
+_refused: set[bytes] = set()  # names already said to be refused: one error line each per process
 
 
 @dataclass
@@ -55,8 +59,24 @@ def settings_for(
 
 
 def load_all(conn: redis.Redis, keys: Keys) -> dict[str, DatasetSettings]:
-    raw = conn.hgetall(keys.datasets)
-    return {k.decode(): DatasetSettings(**loads(v)) for k, v in sorted(raw.items())}
+    """Every dataset of the namespace whose entry is sound. Redis content is untrusted input: a name
+    enqueue would refuse (``..``, ``/abs``: it becomes a folder under OUT) or settings that do not
+    parse are left out with one error line, so no role touches a file or queue for it, and its
+    stream entries stay unacknowledged while every other dataset goes on."""
+    found = {}
+    for key, value in sorted(conn.hgetall(keys.datasets).items()):
+        try:
+            name = validate_name(key.decode("utf-8", "replace"))
+            settings = DatasetSettings(**loads(value))
+            if settings.name != name:
+                raise ValueError(f"its settings name another dataset, {settings.name!r}")
+        except (TypeError, ValueError) as exc:
+            if key not in _refused:
+                _refused.add(key)
+                log.error("refusing dataset %r found in %s: %s", key, keys.datasets, exc)
+            continue
+        found[name] = settings
+    return found
 
 
 def load(conn: redis.Redis, keys: Keys, name: str) -> DatasetSettings | None:

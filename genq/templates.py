@@ -44,9 +44,20 @@ class ChatTemplate:
         self.kwargs = dict(kwargs or {})
 
     @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> ChatTemplate:
-        """The template a job names (:meth:`spec`), loaded here; TemplateError if this host's copy
-        of the tokenizer renders with another template than the one the job was enqueued with."""
+    def from_spec(cls, spec: dict[str, Any], prompting: dict[str, Any]) -> ChatTemplate:
+        """The template a job names (:meth:`spec`), loaded here. TemplateError if it is not the one
+        its dataset's settings (``prompting``) recorded: a job is Redis content, and must not pick
+        the tokenizer folder or smuggle a ``chat_template`` in through the kwargs; or if this
+        host's copy of the tokenizer renders with another template than enqueue's did."""
+        recorded = {
+            "tokenizer": prompting.get("tokenizer"),
+            "kwargs": prompting.get("chat_template_kwargs") or {},
+            "fingerprint": prompting.get("chat_template"),
+        }
+        if {**spec, "kwargs": spec.get("kwargs") or {}} != recorded:
+            raise TemplateError(
+                f"the job's chat template {spec} is not the one its dataset recorded {recorded}"
+            )
         template = cls(spec["tokenizer"], spec.get("kwargs"))
         if template.fingerprint != spec.get("fingerprint"):
             raise TemplateError(
@@ -61,9 +72,15 @@ class ChatTemplate:
 
     @property
     def fingerprint(self) -> str:
-        """A short hash of the template text: a changed template is another recipe (decision 12)."""
+        """A short hash of the template that renders: a changed template is another recipe (decision
+        12). A ``chat_template`` in the kwargs replaces the tokenizer's (or picks one of its named
+        ones), so it is hashed too; the other kwargs are recorded beside it (``chat_template_kwargs``),
+        and a fingerprint without them matches the ones datasets already carry."""
         template = self.tokenizer.chat_template
         text = template if isinstance(template, str) else repr(sorted(template.items()))
+        override = self.kwargs.get("chat_template")
+        if override is not None:
+            text += "\0" + str(override)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def render(self, conversations: list[list[dict[str, Any]]]) -> list[list[int] | str]:

@@ -184,7 +184,8 @@ def enqueue_command(
         try:
             info = backends.probe(server, backend)
         except (backends.ServerRefused, backends.AttemptError) as exc:
-            raise click.ClickException(f"could not read the limits of {server}: {exc}") from exc
+            bare = backends.split_credentials(server)[0]
+            raise click.ClickException(f"could not read the limits of {bare}: {exc}") from exc
         backend = info.backend
         vllm_chat = backend == "openai-chat" and (info.version or "").startswith("vllm")
         accepted = backends.VLLM_SAMPLING_KEYS if vllm_chat else backends.BACKENDS[backend].sampling_keys

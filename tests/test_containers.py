@@ -219,6 +219,13 @@ def project(tmp_path) -> Iterator[Project]:
         # fast genq is and however slow `podman exec` is on a loaded machine.
         GENQ_SIM_MIN_LEN=str(SIM_MIN_LEN),
     )
+    secrets = tmp_path / "secrets"
+    make = [REPO / "ops/compose/make-secrets.sh", secrets]  # no password is in the repository
+    subprocess.run(make, check=True, capture_output=True, timeout=30)
+    env.update(
+        REDIS_PASSWORD_FILE=str(secrets / "redis-password"),
+        DASHBOARD_PASSWORD_FILE=str(secrets / "dashboard-password"),
+    )
     empty = tmp_path / "empty.env"
     empty.touch()
     proj = Project(compose, env, empty, timings)
@@ -266,7 +273,7 @@ def test_compose_demo_in_containers(project, report):
     # The dashboard on its published loopback port, with its password only.
     base = f"http://127.0.0.1:{project.env['DASHBOARD_PORT']}/"
     project.wait(lambda: http_status(base) == 401, 60, "the dashboard")
-    password = (REPO / "ops/compose/dashboard-password.demo").read_text().strip()
+    password = Path(project.env["DASHBOARD_PASSWORD_FILE"]).read_text().strip()
     assert http_status(base, auth=("genq", password)) == 200
 
     # The CAs given with EXTRA_CA_CERTS (pip needed them to build: see extra_ca_certs) stayed in the

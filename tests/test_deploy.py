@@ -480,9 +480,16 @@ def test_compose_layout():
     data = Path(enqueue["command"][2])
     assert data.parts[:4] == ("/", "opt", "genq", "examples") and (REPO / "examples" / data.name).exists()
     assert "COPY examples/ /opt/genq/examples/" in (OPS / "Dockerfile").read_text()
+    # No password in the repository: each secret's default is a file ops/compose/make-secrets.sh
+    # makes, in a folder git and the image's build context both leave out.
     assert COMPOSE["secrets"]
+    script = (OPS / "compose/make-secrets.sh").read_text()
+    assert all(name in script for name in COMPOSE["secrets"])
     for secret in COMPOSE["secrets"].values():
-        assert (REPO / interpolate(secret["file"])).is_file()
+        assert Path(interpolate(secret["file"])).parts[0] == ".secrets"
+    assert ".secrets/" in (REPO / ".gitignore").read_text().split()
+    assert ".secrets" in (OPS / "Dockerfile.dockerignore").read_text().split()
+    assert not list((OPS / "compose").glob("*.demo")), "a committed demo password"
 
 
 @contextlib.contextmanager
@@ -546,7 +553,9 @@ def test_compose_demo_runs_without_docker(tmp_path, out):
     """`docker compose --profile demo up`, minus the containers: every service's own command and
     environment, with the compose hostnames, secrets, volume and image paths mapped onto this host.
     Only the simulator is made faster (--latency zero appended). All 200 example prompts land."""
-    secrets = {n: (REPO / interpolate(v["file"])).read_text() for n, v in COMPOSE["secrets"].items()}
+    made = tmp_path / "made"
+    subprocess.run([REPO / "ops/compose/make-secrets.sh", made], check=True, capture_output=True, timeout=30)
+    secrets = {n: (made / n).read_text() for n in COMPOSE["secrets"]}
     for name, text in secrets.items():
         (tmp_path / name).write_text(text)
     collector_out = service("collector")["command"][-1]

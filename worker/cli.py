@@ -6,7 +6,7 @@ import asyncio
 
 import click
 
-from genq.backends import NAMES, Http
+from genq.backends import NAMES, Http, split_credentials
 from genq.connection import connect, wait_for_redis
 from genq.keys import Keys
 from genq.logs import logging_options, setup_logging
@@ -22,7 +22,8 @@ from worker.daemon import Worker
     "--server",
     required=True,
     help="Base URL of the SGLang server, e.g. http://127.0.0.1:30000. Its API key (--api-key) comes "
-    "from GENQ_SERVER_API_KEY or GENQ_SERVER_API_KEY_FILE, never from the command line.",
+    "from GENQ_SERVER_API_KEY or GENQ_SERVER_API_KEY_FILE, never from the command line; user:password@ "
+    "in the URL is sent as Basic auth (when there is no key) and stored nowhere.",
 )
 @option(
     "--backend",
@@ -110,7 +111,7 @@ def worker_command(
     setup_logging(log_level, log_format)
     serve(metrics_port, metrics_bind, metrics.REGISTRY)
     config = WorkerConfig(
-        server=server,
+        server=split_credentials(server)[0],  # the password goes to Http only: config.server is shown
         backend=backend,
         model=model,
         concurrency=concurrency,
@@ -125,9 +126,9 @@ def worker_command(
     )
     conn = connect(redis_url)
     wait_for_redis(conn, redis_url)
-    asyncio.run(_run(conn, Keys(namespace), config))
+    asyncio.run(_run(conn, Keys(namespace), config, server))
 
 
-async def _run(conn, keys: Keys, config: WorkerConfig) -> None:
-    async with Http(config.server, config.concurrency) as http:
+async def _run(conn, keys: Keys, config: WorkerConfig, server: str) -> None:
+    async with Http(server, config.concurrency) as http:
         await Worker(conn, keys, config, http).run()

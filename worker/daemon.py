@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import orjson
 import redis
 
-from genq import conversation, logprobs
+from genq import conversation, datasets, logprobs
 from genq.backends import Answer, Backend, Http
 from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
@@ -394,11 +394,16 @@ class Worker:
         await self._succeed(t, record)
 
     async def _template(self, spec: JobSpec) -> ChatTemplate:
-        """The dataset's chat template, loaded once per worker (transformers, offline)."""
-        key = orjson.dumps(spec.template, option=orjson.OPT_SORT_KEYS)
+        """The dataset's chat template, loaded once per worker (transformers, offline), and only
+        the one its settings recorded (genq/templates.py)."""
+        key = orjson.dumps([spec.dataset, spec.template], option=orjson.OPT_SORT_KEYS)
         async with self._template_lock:  # one load at a time: transformers' import is not thread-safe
             if key not in self._templates:
-                self._templates[key] = await asyncio.to_thread(ChatTemplate.from_spec, spec.template or {})
+                recorded = await self.redis(datasets.load, self.books.connection, self.keys, spec.dataset)
+                prompting = recorded.prompting if recorded else {}
+                self._templates[key] = await asyncio.to_thread(
+                    ChatTemplate.from_spec, spec.template or {}, prompting
+                )
         return self._templates[key]
 
     def _record(self, spec: JobSpec, answer: Answer, tries: Tries) -> dict[str, Any]:

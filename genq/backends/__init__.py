@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import asyncio
 
-from genq.backends.base import Answer, AttemptError, Backend, Cost, Http, ServerInfo, ServerRefused
+from genq.backends.base import (
+    Answer,
+    AttemptError,
+    Backend,
+    Cost,
+    Http,
+    ServerInfo,
+    ServerRefused,
+    split_credentials,
+)
 from genq.backends.llamacpp import LlamaCpp
 from genq.backends.openai_chat import OpenAIChat
 from genq.backends.openai_compat import VLLM_SAMPLING_KEYS
@@ -33,6 +42,7 @@ __all__ = [
     "choose",
     "detect",
     "probe",
+    "split_credentials",
 ]
 
 

@@ -10,10 +10,12 @@ records see only this interface, never an engine's name.
 from __future__ import annotations
 
 import asyncio
+import base64
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar
+from urllib.parse import unquote, urlsplit
 
 import aiohttp
 import orjson
@@ -127,14 +129,29 @@ class Answer:
     logprobs: LogProbs | None = None  # when the job asked for them (genq/logprobs.py)
 
 
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """``url`` without its userinfo, and the ``Authorization: Basic`` value it carried (a proxy in
+    front of the server may ask for one). Only the bare URL is ever stored or shown: records, the
+    worker hash, status, the dashboard and logs all take ``base_url``."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, None
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    token = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode()
+    return parts._replace(netloc=host).geturl(), f"Basic {token}"
+
+
 class Http:
-    """The worker's connection pool to one server, with its API key.
+    """The worker's connection pool to one server, with its API key (sent as a Bearer token; else
+    the Basic credentials of the URL, if it has any).
 
     No pool or read timeout here: the caller bounds each attempt (decision 8). aiohttp, not
     httpx (decision 3): its CPU cost per request stays flat at hundreds in flight.
     """
 
-    def __init__(self, base_url: str, max_connections: int = 16) -> None:
+    def __init__(self, url: str, max_connections: int = 16) -> None:
+        base_url, self._basic = split_credentials(url)
         self.base_url = base_url.rstrip("/")
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -155,6 +172,8 @@ class Http:
         key = server_api_key()  # read each time: a rotated key file is picked up
         if key:
             headers["Authorization"] = f"Bearer {key}"
+        elif self._basic:
+            headers["Authorization"] = self._basic
         return {**headers, **(extra or {})}
 
     async def call(

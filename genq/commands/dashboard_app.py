@@ -33,7 +33,7 @@ from rq.serializers import JSONSerializer
 from rq_dashboard import web
 
 from genq import datasets, failures
-from genq.connection import connect
+from genq.connection import connect, redact
 from genq.keys import Keys, validate_name
 
 log = logging.getLogger("genq.dashboard")
@@ -46,7 +46,9 @@ def create_app(redis_url: str, username: str = "genq", password: str | None = No
     app = Flask(BLUEPRINT)
     app.config.from_object(rq_dashboard.default_settings)
     app.config.update(
-        RQ_DASHBOARD_REDIS_URL=(redis_url,),
+        # Shown on its pages only (its own connect, rq_dashboard/web.py push_rq_connection, is
+        # replaced by _one_instance below; genq's connection is app.redis_conn): no password.
+        RQ_DASHBOARD_REDIS_URL=(redact(redis_url),),
         RQ_DASHBOARD_DISABLE_DELETE=True,
         RQ_DASHBOARD_POLL_INTERVAL=2500,
     )

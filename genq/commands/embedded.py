@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -43,13 +44,46 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    """redis-server on 127.0.0.1 with AOF (fsync every second) in ``folder``; stopped on exit."""
+    """redis-server on 127.0.0.1 with AOF (fsync every second) in ``folder``; stopped on exit.
 
-    def __init__(self, folder: Path, port: int | None = None, extra: tuple[str, ...] = ()):
+    With ``private``, it asks for a password (:meth:`password`): 127.0.0.1 is every local user's,
+    and on a shared GPU host any of them could otherwise write jobs or read the results.
+    """
+
+    def __init__(
+        self, folder: Path, port: int | None = None, extra: tuple[str, ...] = (), private: bool = False
+    ):
         self.folder = folder.resolve()  # redis-server chdirs to --dir before opening --logfile
         self.port = port or free_port()
         self.extra = extra  # more redis-server arguments (later ones win), e.g. --replicaof
+        self.private = private
         self.proc: subprocess.Popen | None = None
+
+    @property
+    def password_file(self) -> Path:
+        return self.folder / "password"
+
+    def password(self) -> str | None:
+        """The private server's password: made at the first start, kept in ``folder`` (0700) in a
+        file only its owner reads (0600), and reused by a resumed run (its AOF is the same)."""
+        if not self.private:
+            return None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.chmod(0o700)
+        if not self.password_file.exists():
+            fd = os.open(self.password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(secrets.token_urlsafe(32) + "\n")
+        self.password_file.chmod(0o600)
+        return self.password_file.read_text().strip()
+
+    def _config(self, password: str) -> Path:
+        """A config file holding ``requirepass``: redis-server's argv is world-readable (``ps``)."""
+        path = self.folder / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"requirepass {password}\n")
+        return path
 
     @property
     def url(self) -> str:
@@ -83,8 +117,10 @@ class EmbeddedRedis:
     def start(self, timeout: float = 20.0) -> str:
         self.folder.mkdir(parents=True, exist_ok=True)
         self._stop_leftover()
+        password = self.password()
         args = [
             redis_binary(),
+            *([str(self._config(password))] if password else []),
             "--port",
             str(self.port),
             "--bind",
@@ -116,7 +152,7 @@ class EmbeddedRedis:
         self.proc = spawn(
             args, death_signal=signal.SIGTERM, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        client = redis.Redis(port=self.port, socket_connect_timeout=1)
+        client = redis.Redis(port=self.port, password=password, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -24,7 +24,7 @@ from genq.backends import NAMES
 from genq.commands import verify
 from genq.commands.embedded import EmbeddedRedis
 from genq.commands.processes import genq_command, spawn, stop, wait_for_line
-from genq.connection import connect, redact
+from genq.connection import connect, redact, split_password
 from genq.keys import Keys, validate_name
 from genq.reaper import requeue_orphans
 from genq.settings import option, redis_options
@@ -129,7 +129,7 @@ def run_command(
     logs = out / ".logs"
     logs.mkdir(exist_ok=True)
     children: list[subprocess.Popen] = []
-    redis_server = EmbeddedRedis(out / ".redis") if embedded else None
+    redis_server = EmbeddedRedis(out / ".redis", private=True) if embedded else None
 
     def interrupted(signum, frame):
         raise Interrupted()
@@ -139,10 +139,12 @@ def run_command(
     try:
         if redis_server is not None:
             redis_url = redis_server.start()
-        conn = connect(redis_url)
+            env = _child_env(redis_url, namespace, redis_server.password_file)
+            conn = connect(redis_url, password=redis_server.password())
+        else:
+            env = _child_env(redis_url, namespace)
+            conn = connect(redis_url)
         keys = Keys(namespace)
-        # Through the environment, never argv: a password in the URL must not show in `ps`.
-        env = {"GENQ_REDIS_URL": redis_url, "GENQ_NAMESPACE": namespace}
         where = {
             click.core.ParameterSource.DEFAULT: f" (private, persisted in {out / '.redis'})",
             click.core.ParameterSource.ENVIRONMENT: " (from GENQ_REDIS_URL; unset it for a private one)",
@@ -166,6 +168,7 @@ def run_command(
             )
             children.append(sim)
             server = wait_for_line(sim, "sim-server listening on ", 30).rsplit(" ", 1)[1]
+        env["GENQ_SERVER"] = server  # the children's --server: a password in it stays out of argv
         groups = [(dataset, list(files))] if dataset else [(f.stem, [f]) for f in files]
         forwarded = enqueue_argv(ctx)
 
@@ -175,8 +178,6 @@ def run_command(
                 *map(str, paths),
                 "--dataset",
                 name,
-                "--server",
-                server,
                 "--backend",
                 backend,
                 *forwarded,
@@ -200,9 +201,7 @@ def run_command(
             _wait_ready(conn, keys, name, collector, 60)
         for name, paths in groups:
             enqueue(name, paths)
-        worker_argv = genq_command(
-            "worker", "--server", server, "--backend", backend, "--concurrency", str(concurrency)
-        )
+        worker_argv = genq_command("worker", "--backend", backend, "--concurrency", str(concurrency))
         pool = [_start(worker_argv, logs / f"worker-{i}.log", env) for i in range(workers)]
         children.extend(pool)
         _follow(conn, keys, pool, collector, worker_argv, logs, env)
@@ -233,6 +232,19 @@ def run_command(
 
 
 run_command.params.extend(ENQUEUE_PARAMS)
+
+
+def _child_env(redis_url: str, namespace: str, password_file: Path | None = None) -> dict[str, str]:
+    """What the children are told of Redis, through the environment, never argv (which `ps` shows
+    to every user of the host): the URL without its password, and the password beside it (the
+    private Redis's: its file in OUT/.redis)."""
+    bare, password = split_password(redis_url)
+    env = {"GENQ_REDIS_URL": bare, "GENQ_NAMESPACE": namespace}
+    if password_file is not None:
+        env["GENQ_REDIS_PASSWORD_FILE"] = str(password_file)
+    elif password is not None:  # the URL's password wins in connect(), so it must here too
+        env.update(GENQ_REDIS_PASSWORD=password, GENQ_REDIS_PASSWORD_FILE="")
+    return env
 
 
 def _sim_api(backend: str) -> str:
