@@ -31,7 +31,7 @@ from genq import token_counts
 from genq.bitmaps import get_bits
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS
-from genq.queues import rq_queue
+from genq.queues import count_unfinished, rq_queue
 from genq.schema import (
     ERRORS,
     KIND_ERROR,
@@ -452,12 +452,8 @@ class Collector:
         names = [n for n in datasets_mod.load_all(self.conn, self.keys) if self._wants(n)]
         with self.conn.pipeline(transaction=False) as pipe:
             for name in names:
-                queue = rq_queue(self.conn, self.keys, name)
                 pipe.xlen(self.keys.results(name))
-                pipe.llen(queue.key)
-                pipe.llen(queue.intermediate_queue_key)
-                pipe.zcard(queue.started_job_registry.key)
-                pipe.zcard(queue.scheduled_job_registry.key)
+                count_unfinished(pipe, rq_queue(self.conn, self.keys, name), scheduled=True)
             if self.wanted is None:
                 pipe.xlen(self.keys.legacy_results)
             return sum(pipe.execute())
