@@ -90,14 +90,10 @@ def stream_lag(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[
             pipe.xlen(keys.results(name))
             pipe.xrange(keys.results(name), count=1)
             pipe.get(keys.collector_lease(name))
-        pipe.xlen(keys.legacy_results)  # left by an older release (an upgrade mid-run)
-        pipe.xrange(keys.legacy_results, count=1)
         pipe.time()
-        *raw, legacy, legacy_first, (sec, usec) = pipe.execute()
+        *raw, (sec, usec) = pipe.execute()
     now = now if now is not None else sec + usec / 1e6
-    length, firsts, holders = int(legacy), [], {}
-    if legacy_first:
-        firsts.append(int(legacy_first[0][0].split(b"-")[0]) / 1000)
+    length, firsts, holders = 0, [], {}
     for name, (n, first, holder) in zip(names, zip(raw[::3], raw[1::3], raw[2::3], strict=True), strict=True):
         length += int(n)
         if first:
