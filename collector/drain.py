@@ -326,8 +326,8 @@ class Collector:
                     continue
                 seen.add((name, index))
                 if item.logprobs is not None:  # before its line: a frame without a line is cut at start-up
-                    self._logprobs_file(name).append_bytes(item.logprobs)
-                self._file(name, item.kind).append(item.data)
+                    self._file(name, LOGPROBS).append_bytes(item.logprobs)
+                self._file(name, RAW if item.kind == KIND_RECORD else ERRORS).append(item.data)
                 to_mark.append((name, item.kind, index))
                 if item.kind == KIND_RECORD:
                     new_records.setdefault(name, []).append(item.data)
@@ -399,17 +399,11 @@ class Collector:
             self._retake(name)
         self._unacked.update(batch)
 
-    def _logprobs_file(self, name: str) -> Appender:
-        key = (name, LOGPROBS)
-        if key not in self._files:
-            self._files[key] = Appender(self.out / name / LOGPROBS)
-        return self._files[key]
-
-    def _file(self, name: str, kind: bytes) -> Appender:
-        key = (name, RAW if kind == KIND_RECORD else ERRORS)
-        if key not in self._files:
-            self._files[key] = Appender(self.out / name / key[1])
-        return self._files[key]
+    def _file(self, name: str, filename: str) -> Appender:
+        """The open file ``filename`` of dataset ``name``, opened at its first write."""
+        if (name, filename) not in self._files:
+            self._files[name, filename] = Appender(self.out / name / filename)
+        return self._files[name, filename]
 
     # -- jobs RQ failed without a word from a worker ----------------------------------------
 
