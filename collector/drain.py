@@ -31,7 +31,7 @@ from genq import token_counts
 from genq.bitmaps import get_bits
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS
-from genq.queues import rq_queue
+from genq.queues import count_unfinished, rq_queue
 from genq.schema import (
     ERRORS,
     KIND_ERROR,
@@ -63,7 +63,6 @@ class Item:
     entry_id: bytes | None  # None for errors the collector itself found (failed registry)
     logprobs: bytes | None = None  # the record's frame for logprobs.bin (genq/logprobs.py)
     dataset: str = ""  # the dataset whose stream (or failed registry) it came from
-    stream: str = ""  # the stream to acknowledge it in ("": none)
 
 
 @dataclass
@@ -119,7 +118,6 @@ class Collector:
         # collector before a failure, or by the one that held the dataset before): read those first.
         self._unacked: set[str] = set()
         self._pending_checked = time.monotonic()
-        self._legacy = False  # the stream of older releases holds entries (looked at by claim)
         self.checkpoints = Checkpoints(conn, keys.collector_offsets)
         self.reconciler = Reconciler(
             conn,
@@ -149,7 +147,6 @@ class Collector:
         held ones. Another live holder's lease is left alone: it lapses within LEASE_TTL_S if
         that collector is gone."""
         self._settings = datasets_mod.load_all(self.conn, self.keys)
-        self._legacy = bool(self.conn.xlen(self.keys.legacy_results))
         names = [n for n in self._settings if n not in self.held and self._wants(n)]
         if not names:
             return []
@@ -224,10 +221,6 @@ class Collector:
                 if resp and resp[0][1]:
                     return [self._item(name, entry_id, fields) for entry_id, fields in resp[0][1]]
             self._unacked.discard(name)
-        if self._legacy and self.wanted is None and set(self.held) >= set(self._settings):
-            items = self._read_legacy()
-            if items:
-                return items
         if not self.held:
             time.sleep(block_ms / 1000)
             return []
@@ -245,26 +238,8 @@ class Collector:
             for entry_id, fields in entries
         ]
 
-    def _item(self, dataset: str | None, entry_id: bytes, fields: dict, stream: str | None = None) -> Item:
-        data = entry_data(fields)
-        dataset = dataset or data.get("dataset", "")
-        stream = stream or self.keys.results(dataset)
-        return Item(entry_kind(fields), data, entry_id, entry_logprobs(fields), dataset, stream)
-
-    def _read_legacy(self) -> list[Item]:
-        """The single stream of releases before per-dataset streams (an upgrade mid-run), read
-        by a collector that holds every dataset: its pending entries, then new ones."""
-        stream = self.keys.legacy_results
-        for start in ("0", ">"):
-            resp = self.conn.xreadgroup(self.keys.results_group, CONSUMER, {stream: start}, count=self.batch)
-            entries = resp[0][1] if resp else []
-            items = [self._item(None, entry_id, fields, stream) for entry_id, fields in entries]
-            # An entry of a dataset no longer registered stays where it is, as in any stream.
-            items = [item for item in items if item.dataset in self.held]
-            if items:
-                return items
-        self._legacy = False  # looked at again at the next claim
-        return []
+    def _item(self, dataset: str, entry_id: bytes, fields: dict) -> Item:
+        return Item(entry_kind(fields), entry_data(fields), entry_id, entry_logprobs(fields), dataset)
 
     def write(self, items: list[Item]) -> int:
         """Append the new ones, fsync, then mark, checkpoint and acknowledge all in one atomic commit."""
@@ -351,8 +326,8 @@ class Collector:
                     continue
                 seen.add((name, index))
                 if item.logprobs is not None:  # before its line: a frame without a line is cut at start-up
-                    self._logprobs_file(name).append_bytes(item.logprobs)
-                self._file(name, item.kind).append(item.data)
+                    self._file(name, LOGPROBS).append_bytes(item.logprobs)
+                self._file(name, RAW if item.kind == KIND_RECORD else ERRORS).append(item.data)
                 to_mark.append((name, item.kind, index))
                 if item.kind == KIND_RECORD:
                     new_records.setdefault(name, []).append(item.data)
@@ -378,9 +353,9 @@ class Collector:
         for name, records in batch.new_records.items():
             token_counts.add(commands, self.keys, name, records, now, live=True)
         acked: dict[str, list[bytes]] = {}
-        for item, _, _ in placed:
+        for item, name, _ in placed:
             if item.entry_id is not None:
-                acked.setdefault(item.stream, []).append(item.entry_id)
+                acked.setdefault(self.keys.results(name), []).append(item.entry_id)
         for stream, entry_ids in acked.items():
             for at in range(0, len(entry_ids), ACK_PER_COMMAND):
                 commands.xack(stream, self.keys.results_group, *entry_ids[at : at + ACK_PER_COMMAND])
@@ -424,17 +399,11 @@ class Collector:
             self._retake(name)
         self._unacked.update(batch)
 
-    def _logprobs_file(self, name: str) -> Appender:
-        key = (name, LOGPROBS)
-        if key not in self._files:
-            self._files[key] = Appender(self.out / name / LOGPROBS)
-        return self._files[key]
-
-    def _file(self, name: str, kind: bytes) -> Appender:
-        key = (name, RAW if kind == KIND_RECORD else ERRORS)
-        if key not in self._files:
-            self._files[key] = Appender(self.out / name / key[1])
-        return self._files[key]
+    def _file(self, name: str, filename: str) -> Appender:
+        """The open file ``filename`` of dataset ``name``, opened at its first write."""
+        if (name, filename) not in self._files:
+            self._files[name, filename] = Appender(self.out / name / filename)
+        return self._files[name, filename]
 
     # -- jobs RQ failed without a word from a worker ----------------------------------------
 
@@ -452,14 +421,8 @@ class Collector:
         names = [n for n in datasets_mod.load_all(self.conn, self.keys) if self._wants(n)]
         with self.conn.pipeline(transaction=False) as pipe:
             for name in names:
-                queue = rq_queue(self.conn, self.keys, name)
                 pipe.xlen(self.keys.results(name))
-                pipe.llen(queue.key)
-                pipe.llen(queue.intermediate_queue_key)
-                pipe.zcard(queue.started_job_registry.key)
-                pipe.zcard(queue.scheduled_job_registry.key)
-            if self.wanted is None:
-                pipe.xlen(self.keys.legacy_results)
+                count_unfinished(pipe, rq_queue(self.conn, self.keys, name), scheduled=True)
             return sum(pipe.execute())
 
     def close(self) -> None:

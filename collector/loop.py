@@ -13,6 +13,7 @@ import redis
 
 from collector.checkpoint import Stale
 from collector.drain import Collector, WriteFailed
+from genq import backoff
 from genq.reaper import reap
 
 log = logging.getLogger("genq.collector")
@@ -84,9 +85,8 @@ class Loop:
     def call(self, fn: Callable[[], T]) -> T:
         """Call ``fn`` until it works. After a failure the files are reconciled first: lines may
         be on disk whose ids were not marked in Redis, and they must be before anything else."""
-        delay = 0.5
         failing_since: float | None = None
-        while True:
+        for delay in backoff.doubling(0.5, 30.0):
             try:
                 if failing_since is not None:
                     self.collector.reconcile()
@@ -103,4 +103,3 @@ class Loop:
                     raise
             failing_since = failing_since if failing_since is not None else time.monotonic()
             time.sleep(delay)
-            delay = min(delay * 2, 30.0)

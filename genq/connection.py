@@ -17,6 +17,7 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 
+from genq import backoff
 from genq.settings import secret
 
 log = logging.getLogger("genq.redis")
@@ -89,8 +90,7 @@ def wait_for_redis(conn: redis.Redis, url: str, give_up_after: float | None = No
     refused password fails at once; so does a Redis still unreachable after ``give_up_after``
     seconds (None: wait as long as it takes, as the daemons do for a Redis restarted mid-run)."""
     deadline = None if give_up_after is None else time.monotonic() + give_up_after
-    delay = 0.5
-    while True:
+    for delay in backoff.doubling(0.5, 5.0):  # a Redis on its way up is met within seconds
         try:
             conn.ping()
             return
@@ -101,7 +101,6 @@ def wait_for_redis(conn: redis.Redis, url: str, give_up_after: float | None = No
                 raise
             log.warning("Redis unreachable at %s (%s); retrying in %.1f s", redact(url), exc, delay)
         time.sleep(delay)
-        delay = min(delay * 2, 5.0)  # a Redis on its way up is met within seconds
 
 
 def sentinel_target(url: str) -> tuple[list[tuple[str, int]], str, int] | None:

@@ -6,7 +6,6 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``results:<name>``         stream the dataset's records and errors on their way to disk (one stream per
                                     dataset, so each can drain through its own collector)
 - ``in_stream``              hash   dataset -> entries in its stream (moves with the stream, in one MULTI)
-- ``results``                stream the single stream of older genq releases, drained after an upgrade
 - ``in_source``              hash   dataset -> jobs not enqueued yet, still in its files (``enqueue
                                     --max-queued``; gone once the enqueue has read every row)
 - ``enqueuing:<name>``       string an enqueue of the dataset is running (TTL 60 s, refreshed as it pushes)
@@ -69,12 +68,6 @@ class Keys:
 
     def results(self, dataset: str) -> str:
         return f"{self.prefix}results:{dataset}"
-
-    @property
-    def legacy_results(self) -> str:
-        """The one stream of every dataset that genq before per-dataset streams wrote: drained
-        after an upgrade mid-run (collector/drain.py)."""
-        return self.prefix + "results"
 
     @property
     def results_group(self) -> str:

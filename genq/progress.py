@@ -23,7 +23,7 @@ from rq import Worker
 
 from genq import datasets
 from genq.keys import Keys
-from genq.queues import rq_queue
+from genq.queues import count_unfinished, rq_queue
 
 STATES = ("queued", "in_flight", "retrying", "done", "failed")
 
@@ -33,13 +33,9 @@ def dataset_counts(conn: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
     waiting = retrying_in_workers(conn, keys)
     with conn.pipeline(transaction=False) as pipe:
         for name in names:
-            queue = rq_queue(conn, keys, name)
             pipe.bitcount(keys.enqueued(name))
-            pipe.llen(queue.key)
-            pipe.llen(queue.intermediate_queue_key)
-            pipe.zcard(queue.started_job_registry.key)
+            count_unfinished(pipe, rq_queue(conn, keys, name), scheduled=True)
             pipe.hget(keys.in_stream, name)
-            pipe.zcard(queue.scheduled_job_registry.key)
             pipe.bitcount(keys.done(name))
             pipe.bitcount(keys.failed(name))
         pipe.hgetall(keys.in_source)  # in the same round trip as the bitmaps: a push moves both at once
@@ -47,7 +43,7 @@ def dataset_counts(conn: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
     unread = {name.decode(): int(n) for name, n in in_source.items()}
     out: dict[str, dict[str, int]] = {}
     for i, name in enumerate(names):
-        total, queued, moving, started, streamed, scheduled, done, failed = raw[i * 8 : i * 8 + 8]
+        total, queued, moving, started, scheduled, streamed, done, failed = raw[i * 8 : i * 8 + 8]
         backoff = min(waiting.get(name, 0), started)  # a count can only be ahead of RQ's, briefly
         total += unread.get(name, 0)
         counts = {
@@ -94,14 +90,10 @@ def stream_lag(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[
             pipe.xlen(keys.results(name))
             pipe.xrange(keys.results(name), count=1)
             pipe.get(keys.collector_lease(name))
-        pipe.xlen(keys.legacy_results)  # left by an older release (an upgrade mid-run)
-        pipe.xrange(keys.legacy_results, count=1)
         pipe.time()
-        *raw, legacy, legacy_first, (sec, usec) = pipe.execute()
+        *raw, (sec, usec) = pipe.execute()
     now = now if now is not None else sec + usec / 1e6
-    length, firsts, holders = int(legacy), [], {}
-    if legacy_first:
-        firsts.append(int(legacy_first[0][0].split(b"-")[0]) / 1000)
+    length, firsts, holders = 0, [], {}
     for name, (n, first, holder) in zip(names, zip(raw[::3], raw[1::3], raw[2::3], strict=True), strict=True):
         length += int(n)
         if first:

@@ -1,11 +1,10 @@
-"""Several collectors on one namespace: a lease per dataset shares the datasets out, a standby takes
-over a dataset whose collector died, and a stream left by an older release is drained."""
+"""Several collectors on one namespace: a lease per dataset shares the datasets out, and a standby
+takes over a dataset whose collector died."""
 
 from __future__ import annotations
 
 import re
 
-import orjson
 import pytest
 
 from tests.helpers import (
@@ -71,36 +70,3 @@ def test_datasets_drain_through_their_own_collectors_and_a_standby_takes_over(
     assert written and int(written.group(1)) >= left, f"the standby wrote the {left} records of c left"
     assert "holds dataset a" not in log_of(standby) and "holds dataset b" not in log_of(standby)
     assert "holds dataset c" not in log_of(first)
-
-
-def test_the_stream_of_an_older_release_is_drained(procs, start_sim, out, tmp_path, conn, namespace):
-    """Workers of a release before per-dataset streams wrote every result to one stream
-    (``genq:<ns>:results``). After an upgrade mid-run, what they left there lands on disk once."""
-    from genq.keys import Keys
-
-    sim = start_sim()
-    prompts = write_prompts(tmp_path / "old.jsonl", 60)
-    assert procs.run("enqueue", tmp_path / "old.jsonl", "--max-new-tokens", "300").returncode == 0
-    assert procs.run("worker", "--server", sim, "--burst").returncode == 0
-    keys = Keys(namespace)
-    # Move the results into the old stream as an older worker would have written them.
-    entries = conn.xrange(keys.results("old"))
-    assert len(entries) == 60
-    with conn.pipeline() as pipe:
-        pipe.xgroup_create(keys.legacy_results, keys.results_group, id="0", mkstream=True)
-        for _, fields in entries:
-            pipe.xadd(keys.legacy_results, fields)
-        pipe.delete(keys.results("old"))
-        pipe.execute()
-    # One of them twice: a replay dropped as a duplicate. (Whichever came first: 60 jobs in flight
-    # at once finish in any order.)
-    replayed = orjson.loads(entries[0][1][b"data"])["id"]
-    conn.xadd(keys.legacy_results, entries[0][1])
-    conn.hincrby(keys.in_stream, "old", 1)
-    assert status_json(procs)["stream"]["length"] == 61
-    collector = procs.start("collect", "--out", out, "--burst")
-    assert collector.wait(60) == 0, log_of(collector)
-    assert "(60 written, 1 duplicates dropped)" in log_of(collector), log_of(collector)
-    records = check_records(out, "old", prompts, PARAMS)  # each id once, the replayed one too
-    assert [r["id"] for r in records].count(replayed) == 1
-    assert conn.xlen(keys.legacy_results) == 0 and status_json(procs)["stream"]["length"] == 0

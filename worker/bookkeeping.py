@@ -35,6 +35,7 @@ from rq.worker import BaseWorker, WorkerStatus
 
 from genq import datasets
 from genq.keys import Keys
+from genq.queues import count_unfinished
 from genq.reaper import reap
 from genq.schema import KIND_ERROR, JobSpec, dumps, loads, stream_entry
 from worker import rq_state
@@ -343,9 +344,7 @@ class Bookkeeper(BaseWorker):
         """Jobs queued or started anywhere: a dead worker's started jobs come back to the queue."""
         with self.connection.pipeline(transaction=False) as pipe:
             for q in self.queues:
-                pipe.llen(q.key)
-                pipe.llen(q.intermediate_queue_key)
-                pipe.zcard(q.started_job_registry.key)
+                count_unfinished(pipe, q)
             return sum(pipe.execute())
 
 

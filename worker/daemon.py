@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import orjson
 import redis
 
-from genq import conversation, datasets, logprobs
+from genq import backoff, conversation, datasets, logprobs
 from genq.backends import Answer, Backend, Http
 from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
@@ -97,8 +97,7 @@ class Worker:
         """Run an RQ/Redis call on the Redis thread (or ``on`` another); ride out Redis restarts
         with backoff."""
         loop = asyncio.get_running_loop()
-        delay = 0.5
-        while True:
+        for delay in backoff.doubling(0.5, 30.0):
             try:
                 return await loop.run_in_executor(on or self._redis_thread, fn, *args)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -110,7 +109,6 @@ class Worker:
                     extra=self.books.log_context(),
                 )
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
 
     def _on_signal(self) -> None:
         self._signals += 1

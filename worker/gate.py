@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from genq import backends
+from genq import backends, backoff
 from genq.backends import Backend, Http, ServerInfo, ServerRefused
 from genq.backends.base import AttemptError
 from worker.bookkeeping import Bookkeeper
@@ -53,8 +53,9 @@ class ServerGate:
         A server genq cannot use (wrong engine or version, a refused key) ends the worker with
         one line and EXIT_REFUSED, before a single job has paid for it.
         """
-        delay = 1.0
+        delays = backoff.doubling(1.0, 30.0)
         while not stopping.is_set():
+            delay = next(delays)
             # A server that hangs (its probe may wait out a 120 s deadline) must not hold up a
             # SIGTERM: the probe is given up the moment a stop is asked for.
             probe = asyncio.ensure_future(self._probe())
@@ -80,7 +81,6 @@ class ServerGate:
                 )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), delay)
-            delay = min(delay * 2, 30.0)
         return None
 
     async def _probe(self) -> ServerInfo:
@@ -132,10 +132,9 @@ class ServerGate:
         self.close(f"the server refused the API key ({exc})", self._auth_works)
 
     async def _probe_until_up(self, check: Callable[[], Any]) -> None:
-        delay = 1.0
+        delays = backoff.doubling(1.0, 30.0)
         while not await check():
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)
+            await asyncio.sleep(next(delays))
         log.info(
             "server %s is up again; resuming",
             self.config.server,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from genq.backends import openai_compat as oai
-from genq.backends.base import Answer, AttemptError, Backend, Cost, ServerInfo, parse_json
+from genq.backends.base import Answer, AttemptError, Backend, Cost, ServerInfo
 from genq.schema import JobSpec
 
 
@@ -81,20 +81,11 @@ class OpenAIChat(Backend):
         return body
 
     async def generate(self, spec: JobSpec, rid: str, timeout: float) -> Answer:
-        body = self.body(spec)
-        status, raw, headers = await self.http.call(
-            "POST", "/v1/chat/completions", body, timeout=timeout, headers=oai.request_headers(rid)
-        )
-        if status != 200:
-            raise oai.classify(status, raw, headers)
-        return answer(parse_json(raw), spec)
+        return answer(await oai.post(self.http, "/v1/chat/completions", self.body(spec), rid, timeout), spec)
 
 
 def answer(data: Any, spec: JobSpec) -> Answer:
-    choices = data.get("choices") if isinstance(data, dict) else None
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise AttemptError("bad_response", "response has no choices")
-    choice = choices[0]
+    choice = oai.first_choice(data)
     reason = oai.finish(choice)
     message = choice.get("message")
     if not isinstance(message, dict):
@@ -104,15 +95,12 @@ def answer(data: Any, spec: JobSpec) -> Answer:
     prompt_tokens, completion_tokens, cached = oai.usage_counts(data)
     output_ids = choice.get("token_ids")
     output_ids = output_ids if isinstance(output_ids, list) else None
-    matched = choice.get("stop_reason", choice.get("matched_stop"))
-    if matched is None and reason == "stop" and output_ids:
-        matched = output_ids[-1]
     asked = spec.max_new_tokens
     return Answer(
         output_ids=output_ids,
         text=content,
         finish_reason=reason,
-        matched_stop=matched,
+        matched_stop=oai.matched_stop(choice, reason, output_ids),
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         cached_tokens=cached,

@@ -1,5 +1,6 @@
-"""What vLLM's completions and every OpenAI-style chat endpoint share: the model list, the request
-id header, genq's sampling keys in OpenAI's and vLLM's names, finish reasons and usage.
+"""What vLLM's completions and every OpenAI-style chat endpoint share: the model list, the POST of a
+generation (its request id header, its errors), genq's sampling keys in OpenAI's and vLLM's names,
+``choices[0]``, finish reasons, the matched stop and usage.
 
 Facts from vLLM 0.33's source (``vllm/entrypoints/openai/``; see sim/vllm.py for the list): every
 omitted sampling field falls back to the model's generation_config, and unknown fields are dropped
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from genq.backends.base import AttemptError, Cost, Http, ServerRefused, error_message
+from genq.backends.base import AttemptError, Cost, Http, ServerRefused, error_message, parse_json
 
 # genq's sampling keys (SGLang's names, the dataset's recipe) -> OpenAI's chat API.
 OPENAI_KEYS = {
@@ -78,9 +79,31 @@ def map_sampling(params: dict[str, Any], *, extras: bool, explicit: bool) -> dic
     return out
 
 
-def request_headers(rid: str) -> dict[str, str]:
-    """vLLM takes the request id from this header over the body's request_id."""
-    return {"X-Request-Id": rid}
+async def post(http: Http, path: str, body: dict[str, Any], rid: str, timeout: float) -> Any:
+    """One generation sent to ``path`` as request ``rid``: the answer's JSON, or the failed
+    attempt classified."""
+    # vLLM takes the request id from this header over the body's request_id.
+    status, raw, headers = await http.call("POST", path, body, timeout=timeout, headers={"X-Request-Id": rid})
+    if status != 200:
+        raise classify(status, raw, headers)
+    return parse_json(raw)
+
+
+def first_choice(data: Any) -> dict[str, Any]:
+    """The answer's ``choices[0]`` (genq asks for n=1)."""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise AttemptError("bad_response", "response has no choices")
+    return choices[0]
+
+
+def matched_stop(choice: dict[str, Any], reason: str, output_ids: list[int] | None) -> Any:
+    """The stop that ended the answer: vLLM's ``stop_reason`` (SGLang's ``matched_stop``), else on
+    a stop the last output id: the model's own EOS, which vLLM leaves unnamed."""
+    matched = choice.get("stop_reason", choice.get("matched_stop"))
+    if matched is None and reason == "stop" and output_ids:
+        matched = output_ids[-1]
+    return matched
 
 
 async def model_card(http: Http, wanted: str | None) -> dict[str, Any]:

@@ -95,20 +95,11 @@ class VLLM(Backend):
         }
 
     async def generate(self, spec: JobSpec, rid: str, timeout: float) -> Answer:
-        body = self.body(spec)
-        status, raw, headers = await self.http.call(
-            "POST", "/v1/completions", body, timeout=timeout, headers=oai.request_headers(rid)
-        )
-        if status != 200:
-            raise oai.classify(status, raw, headers)
-        return answer(parse_json(raw), spec)
+        return answer(await oai.post(self.http, "/v1/completions", self.body(spec), rid, timeout), spec)
 
 
 def answer(data: Any, spec: JobSpec) -> Answer:
-    choices = data.get("choices") if isinstance(data, dict) else None
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise AttemptError("bad_response", "response has no choices")
-    choice = choices[0]
+    choice = oai.first_choice(data)
     reason = oai.finish(choice)
     output_ids = choice.get("token_ids")
     if not isinstance(output_ids, list):
@@ -117,16 +108,13 @@ def answer(data: Any, spec: JobSpec) -> Answer:
     if echoed is not None and echoed != spec.input_ids:
         raise AttemptError("bad_response", "prompt_token_ids echoed differ from the prompt sent")
     prompt_tokens, completion_tokens, cached = oai.usage_counts(data)
-    matched = choice.get("stop_reason", choice.get("matched_stop"))
-    if matched is None and reason == "stop" and output_ids:
-        matched = output_ids[-1]  # the model's own EOS, which vLLM leaves unnamed
     asked = spec.max_new_tokens
     cut = len(output_ids) if reason == "length" and len(output_ids) < asked else None
     return Answer(
         output_ids=output_ids,
         text=choice.get("text"),
         finish_reason=reason,
-        matched_stop=matched,
+        matched_stop=oai.matched_stop(choice, reason, output_ids),
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         cached_tokens=cached,

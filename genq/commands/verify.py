@@ -181,10 +181,9 @@ def _set_bits(value: int, size: int) -> list[int]:
 def _stream_ids(conn: redis.Redis, keys: Keys, name: str) -> list[str]:
     """Record ids of this dataset's results still in the stream (at most --stream-limit of them)."""
     out = []
-    for stream in (keys.results(name), keys.legacy_results):  # the second: left by an older release
-        for _, fields in conn.xrange(stream):
-            if entry_data(fields).get("dataset") == name:
-                out.append(entry_record_id(fields))
+    for _, fields in conn.xrange(keys.results(name)):
+        if entry_data(fields).get("dataset") == name:
+            out.append(entry_record_id(fields))
     return out
 
 
