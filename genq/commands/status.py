@@ -14,6 +14,7 @@ from rq.utils import utcparse
 from genq import datasets, token_counts
 from genq.keys import Keys
 from genq.progress import STATES, dataset_counts, stream_lag, worker_names
+from genq.redis_errors import refusing_writes
 
 
 def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
@@ -112,7 +113,10 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
         "totals": totals(per_dataset),
         "workers": alive,
         "stream": stream_lag(conn, keys, now),
-        "warnings": warnings(datasets.load_all(conn, keys), alive),
+        "warnings": [
+            *filter(None, [refusing_writes(conn.info())]),
+            *warnings(datasets.load_all(conn, keys), alive),
+        ],
     }
 
 
