@@ -341,7 +341,8 @@ def enqueue_dataset(
     their metadata, JSON Lines by counting lines) so `genq status` shows the full total at once.
     """
     wanted = datasets.settings_for(dataset, paths, sampling_params, samples, options.prompting())
-    settings = datasets.register(conn, keys, wanted, replace=replace_settings)
+    register = lambda: datasets.register(conn, keys, wanted, replace=replace_settings)  # noqa: E731
+    settings = patiently(register, Outage(log))  # HSETNX first: registering again changes nothing
     if register_only:
         return Summary()
     expected = None
