@@ -99,16 +99,14 @@ def patiently(fn: Callable[[], T], outage: Outage, replies_only: bool = False) -
 
 def refusing_writes(info: dict[str, Any]) -> str | None:
     """Why a Redis refuses writes, from its INFO (for `genq status`: reads still work then), or
-    None: used memory over maxmemory under noeviction, a failed snapshot with
-    stop-writes-on-bgsave-error, a read-only replica."""
+    None: used memory over maxmemory under noeviction, a replica. (MISCONF refuses PING too, and
+    with it redis-py's health check: status then fails with that one line instead.)"""
     limit = int(info.get("maxmemory", 0) or 0)
     if limit and info.get("maxmemory_policy") == "noeviction" and int(info["used_memory"]) > limit:
         return (
             f"Redis refuses writes (OOM: used memory {info['used_memory_human']} > maxmemory "
             f"{info.get('maxmemory_human', limit)}, policy noeviction)"
         )
-    if info.get("rdb_last_bgsave_status") == "err":  # refused only with stop-writes-on-bgsave-error
-        return "Redis may refuse writes (MISCONF: its last snapshot failed; see its log)"
     if info.get("role") == "slave":
         return "Redis refuses writes (READONLY: it is a replica)"
     return None
