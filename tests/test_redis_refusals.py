@@ -5,6 +5,9 @@ configuration."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +31,7 @@ from tests.helpers import (
     wait_until,
     write_prompts,
 )
+from worker.background import keep_running
 
 N = 1500
 PARAMS = {"max_new_tokens": 200}
@@ -283,3 +287,31 @@ def test_an_error_reply_that_is_a_bug_fails_in_one_line(own_redis, procs, out):
     assert collector.wait(60) == 4, log_of(collector)
     log = log_of(collector)
     assert "Traceback" not in log and "WRONGTYPE" in log and "does not wait out" in log, log
+
+
+def test_a_background_task_that_dies_is_logged_and_started_again(caplog):
+    """The worker's heartbeats, commits, reports... never silently gone (worker/background.py)."""
+    runs: list[int] = []
+
+    async def body() -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            raise RuntimeError("boom")
+        await asyncio.sleep(3600)
+
+    async def main() -> None:
+        task = asyncio.create_task(keep_running("heartbeats", body, dict, pause=0.01))
+        for _ in range(500):
+            if len(runs) == 2:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.ERROR, logger="genq.worker"):
+        asyncio.run(main())
+    assert len(runs) == 2, "started again after it died"
+    assert [r.getMessage() for r in caplog.records] == [
+        "background task heartbeats died (RuntimeError: boom); starting it again in 0 s"
+    ]

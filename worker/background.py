@@ -13,8 +13,14 @@ log = logging.getLogger("genq.worker")
 RESTART_AFTER_S = 5.0
 
 
-async def keep_running(name: str, body: Callable[[], Awaitable[None]], context: Callable[[], dict]) -> None:
-    """Run ``body`` until cancelled; each time it dies, log the error and start it again."""
+async def keep_running(
+    name: str,
+    body: Callable[[], Awaitable[None]],
+    context: Callable[[], dict],
+    pause: float = RESTART_AFTER_S,
+) -> None:
+    """Run ``body`` until cancelled; each time it dies, log the error and start it again after
+    ``pause`` seconds (not at once: a task failing at once must not spin)."""
     while True:
         try:
             await body()
@@ -27,7 +33,7 @@ async def keep_running(name: str, body: Callable[[], Awaitable[None]], context: 
                 name,
                 type(exc).__name__,
                 exc,
-                RESTART_AFTER_S,
+                pause,
                 extra=context(),
             )
-        await asyncio.sleep(RESTART_AFTER_S)
+        await asyncio.sleep(pause)
