@@ -328,3 +328,49 @@ def test_a_background_task_that_dies_is_logged_and_started_again(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "background task heartbeats died (RuntimeError: boom); starting it again in 0 s"
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_redis_restarted_and_loading_its_data_is_ridden_out(procs, start_sim, out, tmp_path, report):
+    """LOADING: Redis restarted mid-run reads its data back slowly (key-load-delay, Redis's own
+    test knob: each key 15 ms), answering LOADING meanwhile; redis-py retries that for a few
+    seconds, genq for as long as it lasts."""
+    server = EmbeddedRedis(tmp_path / "redis")
+    procs.env["GENQ_REDIS_URL"] = server.start()
+    conn = redis.Redis.from_url(server.url)
+    slow = EmbeddedRedis(
+        tmp_path / "redis",
+        port=server.port,
+        extra=("--key-load-delay", "15000", "--loading-process-events-interval-bytes", "1024"),
+    )
+
+    def restart() -> None:
+        conn.bgrewriteaof()  # every key into the AOF's base RDB, which key-load-delay slows
+        persisting = lambda: conn.info("persistence")  # noqa: E731
+        wait_until(
+            lambda: not (p := persisting())["aof_rewrite_in_progress"] and not p["aof_rewrite_scheduled"],
+            60,
+            "the AOF rewrite",
+        )
+        server.stop()
+        slow.start(timeout=120)  # returns once loaded
+
+    try:
+        run = _run_through(
+            procs,
+            start_sim,
+            out,
+            tmp_path,
+            conn,
+            "loading",
+            restart,
+            lambda: None,
+            "Redis is loading its data: LOADING Redis is loading the dataset in memory; retrying",
+            report,
+        )
+    finally:
+        slow.stop()
+        server.stop()
+    for log in run["logs"]:
+        assert "Traceback" not in log and BACK in log, log
