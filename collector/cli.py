@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import click
+import redis
 
 from collector import metrics
 from collector.drain import Collector, WriteFailed
@@ -17,6 +18,7 @@ from genq.connection import connect, wait_for_redis
 from genq.keys import Keys, validate_name
 from genq.logs import logging_options, setup_logging
 from genq.metrics import metrics_options, serve
+from genq.redis_errors import fatal
 from genq.settings import option, redis_options
 
 log = logging.getLogger("genq.collector")
@@ -88,6 +90,9 @@ def collect_command(
     except LeaseHeld as exc:
         log.error("%s", exc)
         sys.exit(2)
+    except redis.RedisError as exc:  # not an outage (genq/redis_errors.py): a bug, said in one line
+        log.critical("%s", fatal(exc))
+        sys.exit(4)
     except WriteFailed as exc:
         log.critical(
             "%s; giving up after %.0f s without progress: nothing unwritten was acknowledged",

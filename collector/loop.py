@@ -15,6 +15,7 @@ from collector.checkpoint import Stale
 from collector.drain import Collector, WriteFailed
 from genq import backoff
 from genq.reaper import reap
+from genq.redis_errors import Outage
 
 log = logging.getLogger("genq.collector")
 T = TypeVar("T")
@@ -29,7 +30,8 @@ LINGER_S = 0.05
 
 
 class Loop:
-    """The collector's main loop, riding out Redis restarts and a disk that refuses writes."""
+    """The collector's main loop, riding out Redis restarts, a Redis that refuses commands for a
+    while (out of memory, its disk full, ...) and a disk that refuses writes."""
 
     def __init__(self, collector: Collector, stop: list[int], give_up_after: float):
         self.collector = collector
@@ -37,6 +39,7 @@ class Loop:
         self.give_up_after = give_up_after
         self._last_reap = 0.0
         self._standby_said = False
+        self.outage = Outage(log)
 
     def run(self, burst: bool) -> None:
         c = self.collector
@@ -90,11 +93,13 @@ class Loop:
             try:
                 if failing_since is not None:
                     self.collector.reconcile()
-                return fn()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                if self.stop and failing_since is not None:
+                result = fn()
+                if failing_since is not None:
+                    self.outage.over()
+                return result
+            except redis.RedisError as exc:  # unreachable, or refusing for now (genq/redis_errors.py)
+                if self.outage.refused(exc) is None or (self.stop and failing_since is not None):
                     raise
-                log.warning("Redis unreachable (%s); retrying in %.1f s", exc, delay)
             except Stale as exc:  # Redis kept losing writes while the files were re-read
                 log.warning("%s; re-reading the files again in %.1f s", exc, delay)
             except (WriteFailed, OSError) as exc:

@@ -18,6 +18,7 @@ from urllib.parse import unquote, urlsplit
 import redis
 
 from genq import backoff
+from genq.redis_errors import not_now
 from genq.settings import secret
 
 log = logging.getLogger("genq.redis")
@@ -86,7 +87,8 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
 
 def wait_for_redis(conn: redis.Redis, url: str, give_up_after: float | None = None) -> None:
     """Return once Redis answers, retrying with backoff: a role started beside its Redis (compose
-    under podman, which ignores health conditions; systemd after a reboot) may be up first. A
+    under podman, which ignores health conditions; systemd after a reboot) may be up first, and a
+    Redis may answer but refuse (still loading its AOF; MISCONF refuses even PING). A
     refused password fails at once; so does a Redis still unreachable after ``give_up_after``
     seconds (None: wait as long as it takes, as the daemons do for a Redis restarted mid-run)."""
     deadline = None if give_up_after is None else time.monotonic() + give_up_after
@@ -94,12 +96,11 @@ def wait_for_redis(conn: redis.Redis, url: str, give_up_after: float | None = No
         try:
             conn.ping()
             return
-        except (redis.AuthenticationError, redis.exceptions.AuthorizationError):
-            raise
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            if deadline is not None and time.monotonic() + delay > deadline:
+        except redis.RedisError as exc:
+            reason = not_now(exc)  # None for a refused password: it fails at once
+            if reason is None or (deadline is not None and time.monotonic() + delay > deadline):
                 raise
-            log.warning("Redis unreachable at %s (%s); retrying in %.1f s", redact(url), exc, delay)
+            log.warning("%s (%s); retrying in %.1f s", reason, redact(url), delay)
         time.sleep(delay)
 
 

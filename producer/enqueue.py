@@ -12,6 +12,7 @@ that many waiting jobs whatever the dataset's size.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -27,6 +28,7 @@ from genq.bitmaps import is_set, set_bits
 from genq.conversation import first_turn
 from genq.keys import Keys
 from genq.queues import rq_queue
+from genq.redis_errors import Outage, patiently
 from genq.schema import ABANDON_REQUEUES, JobSpec, bit_index, record_id
 from genq.sources import SourceError
 from genq.templates import ChatTemplate
@@ -34,6 +36,8 @@ from producer import rq_jobs
 from producer.context import Limits, check_fits, check_vocab
 from producer.formats import Shape
 from producer.readers import Rejected, Row, read_dataset
+
+log = logging.getLogger("genq.enqueue")
 
 BATCH = 1000
 RENDER_BATCH = 256  # conversations per apply_chat_template call
@@ -140,9 +144,9 @@ def enqueue_rows(
         summary.fatal = str(exc)
     summary.enqueued += pusher.flush()
     pusher.flush_rejected()
-    if summary.fatal is None:
-        conn.hdel(keys.in_source, settings.name)  # every row read: the bitmap holds the full total
-    conn.delete(keys.enqueuing(settings.name))
+    if summary.fatal is None:  # every row read: the bitmap holds the full total
+        patiently(lambda: conn.hdel(keys.in_source, settings.name), pusher.outage)
+    patiently(lambda: conn.delete(keys.enqueuing(settings.name)), pusher.outage)
     return summary
 
 
@@ -236,6 +240,7 @@ class _Pusher:
         self.expected_jobs = expected_rows * settings.samples if expected_rows is not None else None
         self.batch: list[tuple[int, rq_jobs.Job]] = []
         self.rejected: list[int] = []
+        self.outage = Outage(log)
 
     def reject(self, row: int) -> None:
         """Remember a row refused here, so `genq verify` tells it from a row never enqueued."""
@@ -247,10 +252,13 @@ class _Pusher:
     def flush_rejected(self) -> None:
         if not self.rejected:
             return
+        patiently(self._push_rejected, self.outage)  # setting bits twice sets them once
+        self.rejected = []
+
+    def _push_rejected(self) -> None:
         with self.conn.pipeline(transaction=False) as pipe:
             set_bits(pipe, self.keys.rejected(self.settings.name), self.rejected)
             pipe.execute()
-        self.rejected = []
 
     def add(self, item: Row, sample: int) -> int:
         """Queue one job for the next push; returns how many jobs were pushed now."""
@@ -262,6 +270,12 @@ class _Pusher:
         if not self.batch:
             return 0
         batch, self.batch = self.batch, []
+        # A batch is one MULTI: refused (Redis out of memory, its disk full, ...), none of it was
+        # applied and it is sent again; a lost connection may hide one that was, so that fails.
+        patiently(lambda: self._push(batch), self.outage, replies_only=True)
+        return len(batch)
+
+    def _push(self, batch: list[tuple[int, rq_jobs.Job]]) -> None:
         name = self.settings.name
         if self.options.max_queued is not None:
             while self.conn.llen(self.queue.key) + len(batch) > self.options.max_queued:
@@ -276,7 +290,6 @@ class _Pusher:
                 left = max(0, self.expected_jobs - batch[-1][0] - 1)
                 pipe.hset(self.keys.in_source, name, left)
             pipe.execute()
-        return len(batch)
 
     def _job_data(self, item: Row, sample: int) -> rq_jobs.Job:
         settings, options, prompt = self.settings, self.options, item.prompt
@@ -328,7 +341,8 @@ def enqueue_dataset(
     their metadata, JSON Lines by counting lines) so `genq status` shows the full total at once.
     """
     wanted = datasets.settings_for(dataset, paths, sampling_params, samples, options.prompting())
-    settings = datasets.register(conn, keys, wanted, replace=replace_settings)
+    register = lambda: datasets.register(conn, keys, wanted, replace=replace_settings)  # noqa: E731
+    settings = patiently(register, Outage(log))  # HSETNX first: registering again changes nothing
     if register_only:
         return Summary()
     expected = None

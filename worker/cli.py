@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 
 import click
+import redis
 
 from genq.backends import NAMES, Http, split_credentials
 from genq.connection import connect, wait_for_redis
 from genq.keys import Keys
 from genq.logs import logging_options, setup_logging
 from genq.metrics import metrics_options, serve
+from genq.redis_errors import fatal
 from genq.settings import option, redis_options
 from worker import metrics
 from worker.config import WorkerConfig
 from worker.daemon import Worker
+
+log = logging.getLogger("genq.worker")
 
 
 @click.command("worker")
@@ -126,7 +132,11 @@ def worker_command(
     )
     conn = connect(redis_url)
     wait_for_redis(conn, redis_url)
-    asyncio.run(_run(conn, Keys(namespace), config, server))
+    try:
+        asyncio.run(_run(conn, Keys(namespace), config, server))
+    except redis.RedisError as exc:  # not an outage (genq/redis_errors.py): a bug, said in one line
+        log.critical("%s", fatal(exc))
+        sys.exit(4)
 
 
 async def _run(conn, keys: Keys, config: WorkerConfig, server: str) -> None:

@@ -32,10 +32,12 @@ from genq import backoff, conversation, datasets, logprobs
 from genq.backends import Answer, Backend, Http
 from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
+from genq.redis_errors import Outage
 from genq.schema import KIND_RECORD, JobSpec
 from genq.templates import ChatTemplate, TemplateError
 from worker import metrics
 from worker.attempts import Attempts, Tries
+from worker.background import keep_running
 from worker.bookkeeping import Bookkeeper, Finished, Taken
 from worker.commits import GroupCommit
 from worker.config import WorkerConfig
@@ -68,6 +70,7 @@ class Worker:
         # The last takes' round trips: on a lossy link one in a few waits for a retransmission.
         self._take_s: deque[float] = deque([0.0], maxlen=16)
         self._ended: deque[float] = deque(maxlen=256)  # when the last jobs ended: the rate slots free
+        self.outage = Outage(log)  # Redis unreachable or refusing: no new job starts meanwhile
         self._commits = GroupCommit(lambda charges, ends: self.redis(self.books.commit, charges, ends))
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
@@ -94,21 +97,22 @@ class Worker:
     # -- plumbing ---------------------------------------------------------------------------
 
     async def redis(self, fn: Callable[..., T], *args: Any, on: ThreadPoolExecutor | None = None) -> T:
-        """Run an RQ/Redis call on the Redis thread (or ``on`` another); ride out Redis restarts
-        with backoff."""
+        """Run an RQ/Redis call on the Redis thread (or ``on`` another); ride out a Redis that is
+        unreachable or refuses for now (genq/redis_errors.py) with backoff, saying so once."""
         loop = asyncio.get_running_loop()
+        refused = False
         for delay in backoff.doubling(0.5, 30.0):
             try:
-                return await loop.run_in_executor(on or self._redis_thread, fn, *args)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning(
-                    "Redis unreachable (%s); retrying %s in %.1f s",
-                    exc,
-                    fn.__name__,
-                    delay,
-                    extra=self.books.log_context(),
-                )
+                result = await loop.run_in_executor(on or self._redis_thread, fn, *args)
+            except redis.RedisError as exc:
+                if self.outage.refused(exc, self.books.log_context()) is None:
+                    raise
+                refused = True
                 await asyncio.sleep(delay)
+                continue
+            if refused:  # not any call: an OOM Redis still answers reads
+                self.outage.over(self.books.log_context())
+            return result
 
     def _on_signal(self) -> None:
         self._signals += 1
@@ -157,11 +161,14 @@ class Worker:
             lambda: len(self._in_flight), lambda: sum(self.attempts.retrying.values()), self.gate.is_up
         )
         self._background += [
-            asyncio.create_task(self._commits.run()),
-            asyncio.create_task(self._heartbeats()),
-            asyncio.create_task(self._maintenance()),
-            asyncio.create_task(self.gate.watch_health()),
-            asyncio.create_task(self._reports()),
+            asyncio.create_task(keep_running(name, body, self.books.log_context))
+            for name, body in (
+                ("commit", self._commits.run),
+                ("heartbeats", self._heartbeats),
+                ("maintenance", self._maintenance),
+                ("health", self.gate.watch_health),
+                ("reports", self._reports),
+            )
         ]
         try:
             await self._take_loop()
@@ -190,7 +197,9 @@ class Worker:
                 busy = len(self._in_flight) - self._finishing - self.attempts.waiting
                 free = self.config.concurrency - busy
                 self._drop_stale_ready()
-                while free > 0 and self._ready and self.gate.is_up():
+                # While Redis refuses (or cannot be reached), no job starts: a finished one's
+                # result waits in memory for its commit, and those stay within the concurrency.
+                while free > 0 and self._ready and self.gate.is_up() and not self.outage.on:
                     self._start(self._ready.popleft())
                     free -= 1
                 if taking is not None:

@@ -17,6 +17,7 @@ from genq.commands import monitor as monitor_view
 from genq.commands.status import status
 from genq.connection import connect, redact
 from genq.keys import Keys
+from genq.redis_errors import fatal, not_now
 from genq.settings import option, redis_options
 
 # Each role's command, imported only when it runs (click's lazily loaded subcommands): a worker
@@ -61,8 +62,9 @@ def status_command(as_json: bool, redis_url: str, namespace: str) -> None:
     tokens/s and ETA; the workers alive; the collector's lag. Unknown numbers say so (null)."""
     try:
         data = status(connect(redis_url), Keys(namespace))
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise click.ClickException(f"Redis unreachable at {redact(redis_url)}: {exc}") from exc
+    except redis.RedisError as exc:  # one line: an outage (genq/redis_errors.py), or a bug
+        reason = not_now(exc)
+        raise click.ClickException(f"{reason} ({redact(redis_url)})" if reason else fatal(exc)) from exc
     if as_json:
         click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return

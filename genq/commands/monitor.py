@@ -25,6 +25,7 @@ from genq.commands.status import status
 from genq.connection import connect, redact
 from genq.keys import Keys
 from genq.progress import STATES
+from genq.redis_errors import not_now
 
 UNKNOWN = "unknown"
 FAILURES_EVERY_S = 30.0  # grouping failures fetches every failed job: not on every frame
@@ -217,10 +218,11 @@ def frame(data: dict[str, Any], groups: list[failures.Group], url: str, at: floa
     )
 
 
-def unreachable(url: str, exc: Exception, at: float) -> RenderableType:
+def unreachable(url: str, exc: Exception, at: float, reason: str | None = None) -> RenderableType:
+    """The frame while Redis does not answer, or (``reason``) refuses for now."""
     return Panel(
         Text.assemble(
-            (f"Redis unreachable at {redact(url)}: {exc}", "bold red"),
+            (f"Redis unreachable at {redact(url)}: {exc}" if reason is None else reason, "bold red"),
             f"\nretrying… (last try {time.strftime('%H:%M:%S', time.localtime(at))})",
         ),
         title="genq monitor",
@@ -249,6 +251,11 @@ class Monitor:
                 self._groups_at = time.monotonic()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             return unreachable(self.url, exc, at), False
+        except redis.ResponseError as exc:  # MISCONF refuses the health check's PING, and reads
+            reason = not_now(exc)
+            if reason is None:
+                raise
+            return unreachable(self.url, exc, at, f"{reason} ({redact(self.url)})"), False
         return frame(data, self._groups, self.url, at), True
 
 

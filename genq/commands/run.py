@@ -10,6 +10,7 @@ started go back to the front of their queues.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from genq.commands.processes import genq_command, spawn, stop, wait_for_line
 from genq.connection import connect, redact, split_password
 from genq.keys import Keys, validate_name
 from genq.reaper import requeue_orphans
+from genq.redis_errors import Outage, patiently
 from genq.settings import option, redis_options
 from producer.cli import enqueue_command  # `genq run` is the roles together, as the genq CLI is
 
@@ -281,8 +283,10 @@ def _follow(conn, keys: Keys, pool, collector, worker_argv, logs: Path, env) -> 
     first_done = None
     tty = sys.stderr.isatty()
     last_print = 0.0
+    outage = Outage(logging.getLogger("genq.run"))
     while True:
-        counts = progress.dataset_counts(conn, keys)
+        # A Redis restarting (LOADING), busy or unreachable for a while is waited out.
+        counts = patiently(lambda: progress.dataset_counts(conn, keys), outage)
         total = sum(c["total"] for c in counts.values())
         done = sum(c["done"] for c in counts.values())
         failed = sum(c["failed"] for c in counts.values())
@@ -300,7 +304,10 @@ def _follow(conn, keys: Keys, pool, collector, worker_argv, logs: Path, env) -> 
         elif time.monotonic() - last_print >= 5:
             click.echo(line, err=True)
             last_print = time.monotonic()
-        if progress.finished(counts) and progress.stream_lag(conn, keys)["length"] == 0:
+        if (
+            progress.finished(counts)
+            and patiently(lambda: progress.stream_lag(conn, keys), outage)["length"] == 0
+        ):
             if tty:
                 click.echo("", err=True)
             click.echo(line, err=True)

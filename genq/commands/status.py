@@ -14,6 +14,7 @@ from rq.utils import utcparse
 from genq import datasets, token_counts
 from genq.keys import Keys
 from genq.progress import STATES, dataset_counts, stream_lag, worker_names
+from genq.redis_errors import not_now, refusing_writes
 
 
 def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
@@ -112,7 +113,10 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
         "totals": totals(per_dataset),
         "workers": alive,
         "stream": stream_lag(conn, keys, now),
-        "warnings": warnings(datasets.load_all(conn, keys), alive),
+        "warnings": [
+            *_refusing_writes(conn),
+            *warnings(datasets.load_all(conn, keys), alive),
+        ],
     }
 
 
@@ -127,6 +131,19 @@ def warnings(settings: dict[str, datasets.DatasetSettings], alive: list[dict[str
                 "(SGLang without --enable-deterministic-inference): they are not reproducible"
             )
     return out
+
+
+def _refusing_writes(conn: redis.Redis) -> list[str]:
+    """A warning when Redis refuses writes while it still answers reads (out of memory, a replica).
+    A Redis that refuses INFO itself (ACLs, a managed Redis) is not asked."""
+    try:
+        info = conn.info()
+    except redis.ResponseError as exc:
+        if not_now(exc):
+            raise
+        return []
+    reason = refusing_writes(info)
+    return [reason] if reason else []
 
 
 def _round(value: float | None) -> float | None:
