@@ -80,7 +80,11 @@ class EngineServer:
                 raise AssertionError(f"the server exited {proc.returncode}:\n{self.tail()}")
             return server_up(self.url)
 
-        wait_until(ready, self.ready_s, f"{self.argv[2]} to load its model", interval=0.5)
+        try:
+            wait_until(ready, self.ready_s, f"{self.argv[2]} to load its model", interval=0.5)
+        except BaseException:
+            self.kill()  # a server that never came up must not outlive its test, loading on
+            raise
         return self
 
     def signal(self, sig: int) -> None:
