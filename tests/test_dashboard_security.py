@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from flask import url_for
 from rq import Worker
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from rq.serializers import JSONSerializer
@@ -50,8 +51,6 @@ def urls(app, job_ids: list[str], queue: str) -> list[str]:
             }[arg]
             values = [{**v, arg: c} for v in values for c in choices]
         with app.test_request_context():
-            from flask import url_for
-
             out += [url_for(rule.endpoint, **v) for v in values]
     return sorted(set(out))
 
