@@ -7,6 +7,7 @@ import asyncio
 import base64
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +141,11 @@ async def _cdp(ws, calls: list[int], method: str, **params: Any) -> dict:
     raise AssertionError(f"Chromium closed the connection during {method}")
 
 
-def click_in_chromium(url: str, selectors: list[str], profile: Path) -> None:
-    """Open ``url`` in headless Chromium and click each element in turn, as an operator does."""
+def click_in_chromium(
+    url: str, selectors: list[str], profile: Path, done: Callable[[], Any], what: str
+) -> None:
+    """Open ``url`` in headless Chromium once it has loaded (its scripts have bound the buttons),
+    click each element in turn as an operator does, and keep the page open until ``done()``."""
     chromium = subprocess.Popen(
         [need("chromium"), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -159,9 +163,8 @@ def click_in_chromium(url: str, selectors: list[str], profile: Path) -> None:
                 async with session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
                     calls: list[int] = []
                     await _cdp(ws, calls, "Page.navigate", url=url)
-                    ready = (
-                        f"!!window.jQuery && !!document.querySelector({orjson.dumps(selectors[0]).decode()})"
-                    )
+                    first = orjson.dumps(selectors[0]).decode()
+                    ready = f"document.readyState === 'complete' && !!document.querySelector({first})"
                     for _ in range(200):
                         found = await _cdp(ws, calls, "Runtime.evaluate", expression=ready)
                         if found["result"].get("value") is True:
@@ -174,6 +177,7 @@ def click_in_chromium(url: str, selectors: list[str], profile: Path) -> None:
                         await _cdp(ws, calls, "Runtime.evaluate", expression=click)
 
         asyncio.run(drive())
+        wait_until(done, 30, what)
     finally:
         chromium.kill()
         chromium.wait(30)
@@ -189,6 +193,7 @@ def test_dashboard_buttons_in_chromium(procs, start_sim, out, tmp_path, namespac
     base = f"http://localhost:{port}"
     wait_until(lambda: http(f"{base}/0/data/queues.json")[0] == 200, 30, "the dashboard")
     page = f"{base}/0/view/jobs/{namespace}.rq/failed/8/asc/1"
-    click_in_chromium(page, ["#requeue-all-btn", "#confirmation-modal-yes"], tmp_path / "chromium")
     counts = lambda: status_json(procs)["datasets"]["rq"]  # noqa: E731
-    wait_until(lambda: (counts()["queued"], counts()["failed"]) == (1, 0), 30, "the failure requeued")
+    requeued = lambda: (counts()["queued"], counts()["failed"]) == (1, 0)  # noqa: E731
+    buttons = ["#requeue-all-btn", "#confirmation-modal-yes"]
+    click_in_chromium(page, buttons, tmp_path / "chromium", requeued, "the failure requeued")
