@@ -182,7 +182,7 @@ def test_only_its_own_host_names(procs, redis_url):
 
     port = free_port()
     dashboard = procs.start(
-        "dashboard", "--port", str(port), env={"GENQ_DASHBOARD_ALLOW_HOSTS": "a.example, b.example:8443"}
+        "dashboard", "--port", str(port), env={"GENQ_DASHBOARD_ALLOW_HOST": "a.example, b.example:8443"}
     )
     base = f"http://127.0.0.1:{port}/0/data/queues.json"
     wait_until(lambda: get(base) == 200, 30, "the dashboard")

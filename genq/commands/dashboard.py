@@ -33,7 +33,7 @@ def loopback(bind: str) -> bool:
 
 
 def _host_names(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
-    """Repeated flags, or GENQ_DASHBOARD_ALLOW_HOSTS=a,b (click splits the variable on spaces)."""
+    """Repeated flags, or GENQ_DASHBOARD_ALLOW_HOST=a,b (click splits the variable on spaces)."""
     return tuple(name.strip() for item in value for name in item.split(",") if name.strip())
 
 
@@ -49,7 +49,7 @@ def _host_names(ctx: click.Context, param: click.Parameter, value: tuple[str, ..
 @option(
     "--allow-host",
     "allow_hosts",
-    env="GENQ_DASHBOARD_ALLOW_HOSTS",
+    env="GENQ_DASHBOARD_ALLOW_HOST",  # GENQ_<WHAT>_<FLAG>: guessable from the flag (test_settings.py)
     multiple=True,
     callback=_host_names,
     help="A name the dashboard is reached by (a reverse proxy's, a DNS name), besides the bind "
