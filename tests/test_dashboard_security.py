@@ -15,7 +15,7 @@ from rq import Worker
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
-from genq.commands.dashboard_app import STATE_CHANGING, UNREADABLE, create_app
+from genq.commands.dashboard_app import ROUTES, STATE_CHANGING, UNREADABLE, create_app
 from genq.commands.embedded import free_port
 from genq.keys import Keys
 from tests.helpers import one_failure, status_json, wait_until, write_prompts
@@ -53,6 +53,17 @@ def urls(app, job_ids: list[str], queue: str) -> list[str]:
         with app.test_request_context():
             out += [url_for(rule.endpoint, **v) for v in values]
     return sorted(set(out))
+
+
+def test_every_route_of_rq_dashboard_is_reviewed(redis_url):
+    """ROUTES (what genq does with each route, docs/views.md's table) is exactly rq-dashboard's."""
+    app = create_app(redis_url)
+    served = {
+        r.endpoint.partition(".")[2]
+        for r in app.url_map.iter_rules()
+        if r.endpoint.startswith("rq_dashboard.")
+    }
+    assert served == set(ROUTES)
 
 
 def test_no_route_unpickles_a_planted_job(procs, tmp_path, conn, redis_url, namespace):
