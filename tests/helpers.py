@@ -191,6 +191,15 @@ def run_burst(
     return [log_of(w) for w in started]
 
 
+def one_failure(procs: Procs, sim_url: str, out: Path, tmp_path: Path) -> None:
+    """Dataset ``rq`` run to the end on a sim started with ``--context-length 256``: ``rq-0`` done,
+    ``rq-1`` (too long for the context) failed and in errors.jsonl."""
+    data = write_jsonl(tmp_path / "rq.jsonl", [{"input_ids": [101] * 10}, {"input_ids": [101] * 200}])
+    assert procs.run("enqueue", data, "--max-new-tokens", "100").returncode == 0
+    run_burst(procs, out, sim_url, ())
+    assert [e["id"] for e in read_jsonl(out / "rq" / "errors.jsonl")] == ["rq-1"]
+
+
 def assert_verified(procs: Procs, out: Path, data: Path) -> None:
     """`genq verify` of the dataset ``data`` finds every row on disk once and nothing else."""
     res = procs.run("verify", "--out", out, data, "--json")

@@ -3,10 +3,15 @@ are busy with JSON jobs, requeue that keeps genq's bookkeeping, delete off, basi
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import re
 import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import aiohttp
 import orjson
 import redis
 
@@ -18,10 +23,9 @@ from tests.helpers import (
     http,
     log_of,
     need,
-    read_jsonl,
+    one_failure,
     status_json,
     wait_until,
-    write_jsonl,
     write_prompts,
 )
 
@@ -99,29 +103,97 @@ def test_dashboard_in_chromium_during_a_run(procs, start_sim, out, tmp_path, con
 def test_dashboard_requeue_is_genq_retry_and_delete_is_off(
     procs, start_sim, out, tmp_path, redis_url, namespace
 ):
-    url = start_sim("--context-length", "256")
-    data = write_jsonl(tmp_path / "rq.jsonl", [{"input_ids": [101] * 10}, {"input_ids": [101] * 200}])
-    assert procs.run("enqueue", data, "--max-new-tokens", "100").returncode == 0
-    assert procs.run("worker", "--server", url, "--burst").returncode == 0
-    assert procs.run("collect", "--out", out, "--burst").returncode == 0
-    assert [e["id"] for e in read_jsonl(out / "rq" / "errors.jsonl")] == ["rq-1"]
-
+    one_failure(procs, start_sim("--context-length", "256"), out, tmp_path)
     client = create_app(redis_url).test_client()
+    same_site = {"Origin": "http://localhost"}
     job_id = Keys(namespace).job_id("rq-1")
-    res = client.post(f"/job/{job_id}/requeue")
+    res = client.post(f"/job/{job_id}/requeue", headers=same_site)
     assert res.status_code == 200 and res.json["count"] == 1, res.json
     status = status_json(procs)
     assert_adds_up(status)
     assert (status["datasets"]["rq"]["queued"], status["datasets"]["rq"]["failed"]) == (1, 0)
     meta = redis.Redis.from_url(redis_url).hget(f"rq:job:{job_id}", "meta")
     assert meta in (None, b"{}"), f"meta stays JSON (not pickle): {meta!r}"
-    assert client.post(f"/requeue/{namespace}.rq").json["count"] == 0, "nothing failed is left"
-    res = client.post("/requeue/someone-elses-queue")
+    assert client.post(f"/requeue/{namespace}.rq", headers=same_site).json["count"] == 0, (
+        "nothing failed is left"
+    )
+    res = client.post("/requeue/someone-elses-queue", headers=same_site)
     assert res.status_code == 403 and "not a genq queue" in res.json["message"]
-    assert client.post(f"/job/{job_id}/delete").json == {"status": "DISABLED"}
+    res = client.post(f"/job/{job_id}/delete", headers=same_site)
+    assert res.status_code == 403 and res.json["status"] == "DISABLED"
     assert client.get("/1/data/queues.json").status_code == 404, "one Redis"
 
     locked = create_app(redis_url, "ops", "pw").test_client()
     assert locked.get("/0/data/queues.json").status_code == 401
     auth = {"Authorization": "Basic " + base64.b64encode(b"ops:pw").decode()}
     assert locked.get("/0/data/queues.json", headers=auth).status_code == 200
+
+
+async def _cdp(ws, calls: list[int], method: str, **params: Any) -> dict:
+    """One Chrome DevTools Protocol command, its result (events in between are skipped)."""
+    calls.append(len(calls) + 1)
+    await ws.send_json({"id": calls[-1], "method": method, "params": params})
+    async for msg in ws:
+        reply = orjson.loads(msg.data)
+        if reply.get("id") == calls[-1]:
+            assert "error" not in reply, reply
+            return reply["result"]
+    raise AssertionError(f"Chromium closed the connection during {method}")
+
+
+def click_in_chromium(
+    url: str, selectors: list[str], profile: Path, done: Callable[[], Any], what: str
+) -> None:
+    """Open ``url`` in headless Chromium once it has loaded (its scripts have bound the buttons),
+    click each element in turn as an operator does, and keep the page open until ``done()``."""
+    chromium = subprocess.Popen(
+        [need("chromium"), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        active = profile / "DevToolsActivePort"
+        port = wait_until(lambda: active.exists() and active.read_text().split("\n")[0], 60, "Chromium")
+
+        async def drive() -> None:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"http://127.0.0.1:{port}/json/list") as res:
+                    page = next(t for t in await res.json() if t["type"] == "page")
+                async with session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+                    calls: list[int] = []
+                    await _cdp(ws, calls, "Page.navigate", url=url)
+                    first = orjson.dumps(selectors[0]).decode()
+                    ready = f"document.readyState === 'complete' && !!document.querySelector({first})"
+                    for _ in range(200):
+                        found = await _cdp(ws, calls, "Runtime.evaluate", expression=ready)
+                        if found["result"].get("value") is True:
+                            break
+                        await asyncio.sleep(0.1)
+                    else:
+                        raise AssertionError(f"no {selectors[0]} on {url}")
+                    for selector in selectors:
+                        click = f"document.querySelector({orjson.dumps(selector).decode()}).click()"
+                        await _cdp(ws, calls, "Runtime.evaluate", expression=click)
+
+        asyncio.run(drive())
+        wait_until(done, 30, what)
+    finally:
+        chromium.kill()
+        chromium.wait(30)
+
+
+def test_dashboard_buttons_in_chromium(procs, start_sim, out, tmp_path, namespace):
+    """The Requeue All button of the failed jobs' page: rq-dashboard's own $.post, from Chromium,
+    passes the same-origin check (browsers send Origin with a POST) and requeues the failure."""
+    need("chromium")
+    one_failure(procs, start_sim("--context-length", "256"), out, tmp_path)
+    port = free_port()
+    procs.start("dashboard", "--port", str(port))
+    base = f"http://localhost:{port}"
+    wait_until(lambda: http(f"{base}/0/data/queues.json")[0] == 200, 30, "the dashboard")
+    page = f"{base}/0/view/jobs/{namespace}.rq/failed/8/asc/1"
+    counts = lambda: status_json(procs)["datasets"]["rq"]  # noqa: E731
+    requeued = lambda: (counts()["queued"], counts()["failed"]) == (1, 0)  # noqa: E731
+    buttons = ["#requeue-all-btn", "#confirmation-modal-yes"]
+    click_in_chromium(page, buttons, tmp_path / "chromium", requeued, "the failure requeued")
