@@ -162,11 +162,12 @@ class Shape:
         """A Batch API request: its conversation or text, its sampling checked with SGLang's rules."""
         try:
             request = openai_batch.parse(data)
+        except openai_batch.BatchError as exc:
+            raise RowError(str(exc)) from exc
+        try:
             check_sampling(request.sampling)
-        except (openai_batch.BatchError, SamplingError) as exc:
-            raise RowError(
-                str(exc) if isinstance(exc, openai_batch.BatchError) else f"field 'body': {exc}"
-            ) from exc
+        except SamplingError as exc:
+            raise RowError(f"field 'body': {exc}") from exc
         prompt = Prompt(source_id=request.custom_id, sampling=request.sampling, batch=request.note)
         if request.url == openai_batch.CHAT_URL:
             self.check_usable("messages", f"url {request.url}")
