@@ -170,3 +170,65 @@ def test_batch_rows_need_a_renderer_and_a_text_endpoint_a_token_backend(procs, t
     res = _dry_run(procs, texts, "--backend", "openai-chat")
     assert res.returncode != 0
     assert "url /v1/completions sends a plain text prompt" in res.stderr
+
+
+def _record(row: int, url: str, finish: str = "stop") -> dict:
+    return {
+        "id": f"d-{row}",
+        "dataset": "d",
+        "row": row,
+        "source_id": f"r{row}",
+        "sample": 0,
+        "prompt_tokens": 4,
+        "completion_tokens": 2,
+        "output_ids": [7, 8],
+        "text": "Hi there",
+        "reasoning": None,
+        "content": "Hi there",
+        "finish_reason": finish,
+        "finished_at": "2026-12-02T00:00:00Z",
+        "batch": {"url": url, "model": "m"},
+    }
+
+
+def _error(row: int) -> dict:
+    return {"id": f"d-{row}", "dataset": "d", "row": row, "source_id": f"r{row}", "sample": 0}
+
+
+def test_the_export_merges_failures_in_row_order_and_keeps_truncated_answers(procs, tmp_path):
+    folder = tmp_path / "out" / "d"
+    folder.mkdir(parents=True)
+    # Finished out of order; row 2 failed, then succeeded after `genq retry`; row 3 was cut short.
+    write_jsonl(
+        folder / "raw_responses.jsonl",
+        [
+            _record(2, "/v1/completions"),
+            _record(0, "/v1/chat/completions"),
+            _record(3, "/v1/completions", "length"),
+        ],
+    )
+    write_jsonl(
+        folder / "errors.jsonl",
+        [
+            {**_error(2), "error": "timeout", "message": "slow"},
+            {**_error(1), "error": "bad_request", "message": "no"},
+        ],
+    )
+    res = procs.run("export", tmp_path / "out", "--format", "openai-batch")
+    assert res.returncode == 0, res.stderr
+    assert "d: wrote 4 to" in res.stdout
+    lines = read_jsonl(folder / "batch_output.jsonl")
+    assert [line["custom_id"] for line in lines] == ["r0", "r1", "r2", "r3"]
+    assert lines[1] == {
+        "id": "batch_req_d-1",
+        "custom_id": "r1",
+        "response": None,
+        "error": {"code": "bad_request", "message": "no"},
+    }
+    assert (
+        lines[2]["error"] is None
+        and Completion.model_validate(lines[2]["response"]["body"]).choices[0].text == "Hi there"
+    )
+    assert Completion.model_validate(lines[3]["response"]["body"]).choices[0].finish_reason == "length"
+    chat = ChatCompletion.model_validate(lines[0]["response"]["body"])
+    assert chat.created == 1796169600 and chat.usage.total_tokens == 6
