@@ -6,6 +6,10 @@
 - ``sharegpt``: ``sharegpt.jsonl``, ``conversations`` of ``{"from", "value"}``: the prompt conversation
   and the regenerated ``gpt`` turn.
 - ``messages``: ``messages.jsonl``, OpenAI-style ``messages`` likewise.
+- ``openai-batch``: ``batch_output.jsonl``, the OpenAI Batch API's output lines (genq/openai_batch.py),
+  a chat or text completion as each request's url asked; every record, truncated ones too (the Batch
+  API answers them with ``finish_reason`` length), and each failure of ``errors.jsonl`` as a line
+  with ``error`` set, all in row order.
 
 Records are exported in the order of their rows in the dataset (then samples), each with the row's
 own ``source_id``, whatever order they finished in; a line still being written (no newline yet) is
@@ -18,6 +22,7 @@ renamed into place, so an export cut short never looks finished.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import os
 from array import array
 from collections import Counter
@@ -29,7 +34,8 @@ from typing import Any
 import click
 import orjson
 
-from genq.schema import EXPORTS, RAW
+from genq import openai_batch
+from genq.schema import ERRORS, EXPORTS, RAW
 from genq.settings import option
 from genq.templates import ChatTemplate, TemplateError
 
@@ -74,7 +80,11 @@ def export_dataset(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
     with tmp.open("wb") as fh:
-        for record in _records(raw):
+        if fmt == "openai-batch":
+            for line in _batch_lines(raw, reasoning_content):
+                fh.write(orjson.dumps(line) + b"\n")
+                result.written += 1
+        for record in _records(raw) if fmt != "openai-batch" else ():
             view = _view(record)
             if view is None:
                 result.skipped["not a record genq knows (no output_ids, choices or input_ids)"] += 1
@@ -107,9 +117,29 @@ def export_dataset(
     return result
 
 
+def _batch_lines(raw: Path, reasoning_content: bool) -> Iterator[dict[str, Any]]:
+    """The Batch API's output lines: records and failures (errors.jsonl beside ``raw``) merged in row
+    order; a job both failed and then answered (requeued) has only its answer's line."""
+    errors = raw.with_name(ERRORS)
+    answered = ((key, False, r) for key, r in _keyed(raw))
+    failed = ((key, True, e) for key, e in _keyed(errors)) if errors.is_file() else iter(())
+    last = None
+    for key, is_error, data in heapq.merge(answered, failed, key=lambda entry: (entry[0], entry[1])):
+        if key == last:
+            continue
+        last = key
+        yield openai_batch.error_line(data) if is_error else openai_batch.output_line(data, reasoning_content)
+
+
 def _records(raw: Path) -> Iterator[dict[str, Any]]:
-    """The records in the order of their rows in the dataset (and samples within a row), not the
-    order they finished in; lines without a row (other tools' shapes) after them, in file order.
+    """The records in the order of their rows in the dataset (and samples within a row)."""
+    return (record for _, record in _keyed(raw))
+
+
+def _keyed(raw: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The lines with their order, in the order of their rows in the dataset (and samples within a
+    row), not the order they finished in; lines without a row (other tools' shapes) after them, in
+    file order.
 
     Two passes keep memory small: the first notes each line's row, sample and offset (16 bytes a
     line), the second reads the lines in order."""
@@ -125,7 +155,7 @@ def _records(raw: Path) -> Iterator[dict[str, Any]]:
             offset += len(line)
         for index in sorted(range(len(keys)), key=keys.__getitem__):
             fh.seek(offsets[index])
-            yield orjson.loads(fh.readline())
+            yield keys[index], orjson.loads(fh.readline())
 
 
 def _parse(raw: Path, line_no: int, line: bytes) -> Any:
@@ -313,7 +343,8 @@ def export_command(
     """Training files from DIR/<dataset>/raw_responses.jsonl, which is only read.
 
     eagle3: tokenized_data.jsonl (input_ids, loss_mask); sharegpt: sharegpt.jsonl; messages:
-    messages.jsonl. Records left out are counted with the reason.
+    messages.jsonl; openai-batch: batch_output.jsonl (the OpenAI Batch API's output lines, failures
+    included). Records left out are counted with the reason.
     """
     try:
         template = ChatTemplate(tokenizer) if tokenizer and fmt == "eagle3" else None

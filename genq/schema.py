@@ -20,7 +20,12 @@ RAW = "raw_responses.jsonl"
 ERRORS = "errors.jsonl"
 # What `genq export` writes beside them by default, per format; `genq stats` knows its own exports
 # there and does not count their records twice (collector/stats.py).
-EXPORTS = {"eagle3": "tokenized_data.jsonl", "sharegpt": "sharegpt.jsonl", "messages": "messages.jsonl"}
+EXPORTS = {
+    "eagle3": "tokenized_data.jsonl",
+    "sharegpt": "sharegpt.jsonl",
+    "messages": "messages.jsonl",
+    "openai-batch": "batch_output.jsonl",
+}
 
 RECORD_FIELDS = (
     "id",
@@ -129,6 +134,7 @@ class JobSpec:
     turns: str | None = None  # "all": a conversation, every user turn answered (genq/conversation.py)
     template: dict[str, Any] | None = None  # the chat template the worker renders later turns with
     logprobs: int | None = None  # top-K log-probabilities per output token, stored in logprobs.bin
+    batch: dict[str, Any] | None = None  # an OpenAI Batch request's url and model (genq/openai_batch.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_kwargs(self) -> dict[str, Any]:

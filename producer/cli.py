@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import redis
@@ -11,14 +13,16 @@ import redis
 from genq import backends, datasets, sources
 from genq.connection import HASH_VALUE_LIMIT, connect, redact, wait_for_redis
 from genq.keys import Keys, validate_name
-from genq.sampling import Sampling, SamplingError, sampling_options
+from genq.sampling import FLAGGED, Sampling, SamplingError, sampling_options
 from genq.sampling import check as check_sampling
 from genq.settings import json_object, option, redis_options
 from genq.templates import ChatTemplate, TemplateError
 from producer import thinking
 from producer.context import Limits
+from producer.dry_run import check_files, describe
 from producer.enqueue import Options, Summary, enqueue_dataset
 from producer.formats import CHAT_FORMATS, FIELDS, FORMATS, Shape
+from producer.readers import first_sampling
 
 # A Redis started beside enqueue (compose, where podman honours no health condition) gets this long
 # to answer before enqueue gives up.
@@ -141,6 +145,12 @@ def _fields(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
 @option("--think-start-token-id", type=click.IntRange(min=0), default=None, help="Token id that opens it.")
 @option("--think-end", default=None, help="Text that closes the reasoning (e.g. </think>).")
 @option("--think-end-token-id", type=click.IntRange(min=0), default=None, help="Token id that closes it.")
+@option(
+    "--dry-run",
+    is_flag=True,
+    help="Read, check and render every row, print per file what would be enqueued and rejected and "
+    "its first prompt; enqueue nothing, record nothing, touch no Redis.",
+)
 @redis_options
 def enqueue_command(
     files,
@@ -168,6 +178,7 @@ def enqueue_command(
     think_start_token_id,
     think_end,
     think_end_token_id,
+    dry_run,
     redis_url,
     namespace,
 ):
@@ -221,6 +232,8 @@ def enqueue_command(
                 f"--format {fmt} needs --tokenizer (genq does not guess a chat template), "
                 "or --backend openai-chat"
             )
+    if dry_run and register_only:
+        raise click.UsageError("--dry-run records nothing: it cannot go with --register-only")
     if clip_max_new_tokens and limits.context_length is None:
         raise click.UsageError("--clip-max-new-tokens needs --context-length or --server")
     try:
@@ -243,15 +256,28 @@ def enqueue_command(
             "so it stays in the text",
             err=True,
         )
+    shape = Shape(
+        fmt,
+        fields,
+        system_prompt,
+        chat=template is not None or server_renders,
+        server_renders=server_renders,
+        turns=turns,
+    )
+    row_base = None
+    try:
+        first = first_sampling(paths, shape, split)
+    except sources.SourceError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if first is not None:  # OpenAI Batch rows: the first one's sampling is the dataset's
+        row_base, params = params, rows_recipe(params, *first)
+        if accepted is not None:
+            try:
+                check_sampling(params, accepted, backend)
+            except SamplingError as exc:
+                raise click.UsageError(f"{first[0]}: {exc}") from exc
     options = Options(
-        shape=Shape(
-            fmt,
-            fields,
-            system_prompt,
-            chat=template is not None or server_renders,
-            server_renders=server_renders,
-            turns=turns,
-        ),
+        shape=shape,
         split=split,
         template=template,
         think=think,
@@ -260,7 +286,11 @@ def enqueue_command(
         limits=limits,
         clip=clip_max_new_tokens,
         max_queued=max_queued,
+        row_base=row_base,
     )
+    if dry_run:
+        report_dry_run(name, paths, params, sampling.samples, options)
+        return
     conn = connect(redis_url)
     try:
         wait_for_redis(conn, redis_url, give_up_after=REDIS_START_WAIT_S)
@@ -296,6 +326,44 @@ def enqueue_command(
     print_summary(name, summary)
     if summary.fatal:
         raise click.ClickException(summary.fatal)
+
+
+def rows_recipe(params: dict[str, Any], where: str, own: dict[str, Any]) -> dict[str, Any]:
+    """The dataset's sampling when its rows carry their own (OpenAI Batch lines): the command line's,
+    with the first row's laid over them. A setting given on the command line that the row contradicts
+    is refused: neither would be silently dropped."""
+    ctx = click.get_current_context()
+    flag = {"sampling_seed" if name == "seed" else name: name for name in FLAGGED}
+    for key, value in own.items():
+        given = key in params and (
+            key not in flag or ctx.get_parameter_source(flag[key]) != click.core.ParameterSource.DEFAULT
+        )
+        if given and params[key] != value:
+            raise click.UsageError(
+                f"{where}: the row asks for {key} {value!r}, the command line for {params[key]!r}: a dataset "
+                "has one recipe (decision 12); drop the flag, or change the file"
+            )
+    return {**params, **own}
+
+
+def report_dry_run(
+    name: str, paths: list[Path], params: dict[str, Any], samples: int, options: Options
+) -> None:
+    """--dry-run: each file's counts and first prompt on stdout, rejected rows on stderr."""
+    checks = check_files(paths, params, options, report=lambda line: click.echo(line, err=True))
+    for check in checks:
+        for line in describe(check, samples, options):
+            click.echo(line)
+    jobs = sum(c.usable for c in checks) * samples
+    rejected = sum(c.rejected for c in checks)
+    click.echo(
+        f"{name}: dry run: would enqueue {jobs} jobs, reject {rejected} rows, with sampling "
+        f"{json.dumps(params)}; nothing enqueued, no settings recorded (rows an earlier enqueue "
+        "queued are not looked up)"
+    )
+    fatal = next((c.fatal for c in checks if c.fatal), None)
+    if fatal:
+        raise click.ClickException(fatal)
 
 
 def hint_hash_encoding(conn: redis.Redis) -> None:

@@ -8,6 +8,7 @@ SGLang does not check them at all, and they can crash the server.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from genq.backends import ServerInfo
 from producer.readers import Rejected, Row
@@ -72,4 +73,24 @@ def check_fits(
         item.where,
         item.row,
         f"field 'input_ids': {len(prompt)} prompt tokens {why} in the context length of {context_length}",
+    )
+
+
+def check_recipe(item: Row, base: dict[str, Any], params: dict[str, Any]) -> Row | Rejected:
+    """A row carrying its own sampling (an OpenAI Batch request line) runs only with it: laid over
+    ``base`` it must be the dataset's ``params`` (decision 12), or the row is rejected, never run
+    with settings it did not ask for."""
+    wanted = {**base, **(item.prompt.sampling or {})}
+    if wanted == params:
+        return item
+    diff = "; ".join(
+        f"{key} {wanted.get(key, 'unset')!r}, the dataset's {params.get(key, 'unset')!r}"
+        for key in sorted(set(wanted) | set(params))
+        if wanted.get(key) != params.get(key)
+    )
+    return Rejected(
+        item.where,
+        item.row,
+        f"field 'body': its sampling is not the dataset's (one recipe per dataset, set by its first such "
+        f"row): {diff}; put rows with other settings in a file of their own, enqueued as another --dataset",
     )

@@ -33,7 +33,7 @@ from genq.schema import ABANDON_REQUEUES, JobSpec, bit_index, record_id
 from genq.sources import SourceError
 from genq.templates import ChatTemplate
 from producer import rq_jobs
-from producer.context import Limits, check_fits, check_vocab
+from producer.context import Limits, check_fits, check_recipe, check_vocab
 from producer.formats import Shape
 from producer.readers import Rejected, Row, read_dataset
 
@@ -64,6 +64,9 @@ class Options:
     limits: Limits = field(default_factory=Limits)
     clip: bool = False
     max_queued: int | None = None
+    # What an openai-batch row's own sampling is laid over before it is compared with the dataset's
+    # (the command line's settings); None: the dataset's settings.
+    row_base: dict[str, Any] | None = None
 
     def prompting(self) -> dict[str, Any]:
         """The dataset settings (decision 12) these options fix; defaults left out."""
@@ -121,15 +124,11 @@ def enqueue_rows(
     pusher = _Pusher(conn, keys, settings, options, expected_rows)
     stream = _fresh(conn, keys, settings, rows, summary)
     if options.template is not None:
-        stream = _rendered(stream, options.template, options.shape.turns == "all")
+        stream = render_stream(stream, options.template, options.shape.turns == "all")
     max_new = int(settings.sampling_params["max_new_tokens"])
     try:
         for item, todo in stream:
-            limits = options.limits
-            if limits.vocab_size is not None and isinstance(item, Row):
-                item = check_vocab(item, limits.vocab_size)
-            if isinstance(item, Row):
-                item = check_fits(item, max_new, limits.context_length, options.clip, limits.max_input_len)
+            item = checked(item, settings.sampling_params, options)
             if isinstance(item, Rejected):
                 summary.rejected += 1
                 report(f"rejected {item}")
@@ -148,6 +147,22 @@ def enqueue_rows(
         patiently(lambda: conn.hdel(keys.in_source, settings.name), pusher.outage)
     patiently(lambda: conn.delete(keys.enqueuing(settings.name)), pusher.outage)
     return summary
+
+
+def checked(item: Row | Rejected, params: dict[str, Any], options: Options) -> Row | Rejected:
+    """A row that may be queued as is: its ids in the vocabulary, it fits the context, and its own
+    sampling (an openai-batch row's) is the dataset's."""
+    if isinstance(item, Rejected):
+        return item
+    limits = options.limits
+    if limits.vocab_size is not None:
+        item = check_vocab(item, limits.vocab_size)
+    if isinstance(item, Row) and item.prompt.sampling is not None:
+        item = check_recipe(item, options.row_base if options.row_base is not None else params, params)
+    if isinstance(item, Row):
+        max_new = int(params["max_new_tokens"])
+        item = check_fits(item, max_new, limits.context_length, options.clip, limits.max_input_len)
+    return item
 
 
 def _fresh(
@@ -178,7 +193,7 @@ def _fresh(
             yield item, todo
 
 
-def _rendered(
+def render_stream(
     stream: Iterator[tuple[Row | Rejected, list[int]]], template: ChatTemplate, all_turns: bool = False
 ) -> Iterator[tuple[Row | Rejected, list[int]]]:
     """Conversations rendered to input_ids, RENDER_BATCH at a time, in order.
@@ -317,6 +332,7 @@ class _Pusher:
             turns="all" if options.shape.turns == "all" else None,
             logprobs=options.logprobs,
             template=options.template.spec() if options.template and options.shape.turns == "all" else None,
+            batch=prompt.batch,
         )
         described = f"{settings.name} row {item.row}" + (f" sample {sample}" if settings.samples > 1 else "")
         return self.keys.job_id(spec.id), spec.to_kwargs(), described

@@ -4,6 +4,9 @@
 - ``messages``: OpenAI style, a list of ``{"role", "content"}``.
 - ``sharegpt``: ``conversations``, a list of ``{"from", "value"}`` with ``human``/``gpt``/``system``.
 - ``prompt``: one text; ``instruction``: ``instruction`` and an optional ``input`` (Alpaca style).
+- ``openai-batch``: an OpenAI Batch API request line (genq/openai_batch.py): ``/v1/chat/completions``
+  a conversation, ``/v1/completions`` a text prompt sent as is (no chat template, as that endpoint
+  does); its body's sampling fields travel with the prompt, to be checked against the dataset's.
 
 Regeneration semantics for conversations: the conversation up to its last user turn is the prompt;
 what follows (the assistant answers being regenerated) is dropped. ``--system-prompt`` replaces the
@@ -17,9 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from genq import conversation
+from genq import conversation, openai_batch
+from genq.sampling import SamplingError
+from genq.sampling import check as check_sampling
 
-FORMATS = ("input_ids", "messages", "sharegpt", "prompt", "instruction")
+FORMATS = ("input_ids", "messages", "sharegpt", "prompt", "instruction", "openai-batch")
 # The column each format is detected by, in the order ``auto`` tries them.
 KEY_COLUMN = {
     "input_ids": "input_ids",
@@ -27,6 +32,7 @@ KEY_COLUMN = {
     "sharegpt": "conversations",
     "prompt": "prompt",
     "instruction": "instruction",
+    "openai-batch": "custom_id",
 }
 FIELDS = (
     "id",
@@ -74,6 +80,8 @@ class Prompt:
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
     source_id: str | None = None
+    sampling: dict[str, Any] | None = None  # an openai-batch row's own sampling (genq's names)
+    batch: dict[str, Any] | None = None  # an openai-batch row's url and model, kept in the record
 
 
 @dataclass(frozen=True)
@@ -109,24 +117,24 @@ class Shape:
         if self.col(KEY_COLUMN[fmt]) not in data:
             present = ", ".join(sorted(map(str, data))) or "none"
             raise RowError(f"field '{self.col(KEY_COLUMN[fmt])}': missing (fields present: {present})")
+        if fmt == "openai-batch":
+            return fmt, self._batch(data)
         self.check_usable(fmt)
         source_id = _source_id(data, self.col("id"))
         if fmt == "input_ids":
             return fmt, Prompt(input_ids=self._ids(data), source_id=source_id)
         if fmt in CHAT_FORMATS:
             turns = self._messages(data) if fmt == "messages" else self._sharegpt(data)
-            messages = self._conversation(data, turns, fmt)
-            why = conversation.check(messages) if self.turns == "all" else None
-            if why is not None:
-                raise RowError(f"field '{self.col(KEY_COLUMN[fmt])}': {why}")
-            return fmt, Prompt(messages=messages, source_id=source_id)
+            return fmt, Prompt(messages=self._chat(data, turns, fmt), source_id=source_id)
         text = self._prompt(data) if fmt == "prompt" else self._instruction(data)
         if self.chat:
             turns = [{"role": "user", "content": text}]
             return fmt, Prompt(messages=self._conversation(data, turns, fmt), source_id=source_id)
         return fmt, Prompt(text=text, source_id=source_id)
 
-    def check_usable(self, fmt: str) -> None:
+    def check_usable(self, fmt: str, what: str | None = None) -> None:
+        """``what``: how the rows are named in the message (default: their format)."""
+        what = what or f"format {fmt}"
         if fmt == "input_ids" and self.server_renders:
             raise ShapeError(
                 "format input_ids is already tokenized: a chat backend (openai-chat) sends messages; use a "
@@ -134,7 +142,7 @@ class Shape:
             )
         if fmt in CHAT_FORMATS and not self.chat:
             raise ShapeError(
-                f"format {fmt} holds conversations: give --tokenizer so they are rendered with the "
+                f"{what} holds conversations: give --tokenizer so they are rendered with the "
                 "model's chat template (genq does not guess one), or --backend openai-chat so the "
                 "server renders them"
             )
@@ -142,6 +150,36 @@ class Shape:
             raise ShapeError("format input_ids is already tokenized: --system-prompt cannot apply to it")
 
     # -- one format each ------------------------------------------------------------------
+
+    def _chat(self, data: dict[str, Any], turns: list[dict[str, Any]], fmt: str) -> list[dict[str, Any]]:
+        messages = self._conversation(data, turns, fmt)
+        why = conversation.check(messages) if self.turns == "all" else None
+        if why is not None:
+            raise RowError(f"field '{self.col(KEY_COLUMN[fmt])}': {why}")
+        return messages
+
+    def _batch(self, data: dict[str, Any]) -> Prompt:
+        """A Batch API request: its conversation or text, its sampling checked with SGLang's rules."""
+        try:
+            request = openai_batch.parse(data)
+        except openai_batch.BatchError as exc:
+            raise RowError(str(exc)) from exc
+        try:
+            check_sampling(request.sampling)
+        except SamplingError as exc:
+            raise RowError(f"field 'body': {exc}") from exc
+        prompt = Prompt(source_id=request.custom_id, sampling=request.sampling, batch=request.note)
+        if request.url == openai_batch.CHAT_URL:
+            self.check_usable("messages", f"url {request.url}")
+            prompt.messages = self._chat(request.body, self._messages(request.body), "messages")
+            return prompt
+        if self.server_renders:
+            raise ShapeError(
+                f"url {request.url} sends a plain text prompt, no chat template: the openai-chat backend "
+                "sends conversations; use a token backend (sglang, vllm, llamacpp) for these rows"
+            )
+        prompt.text = _text(request.body, "prompt")
+        return prompt
 
     def _ids(self, data: dict[str, Any]) -> list[int]:
         name = self.col("input_ids")

@@ -65,3 +65,12 @@ def read_dataset(
                     seen.add(fmt)
                 yield Row(record.where, row, prompt)
             row += 1
+
+
+def first_sampling(paths: list[Path], shape: Shape, split: str | None = None) -> tuple[str, dict] | None:
+    """Where the dataset's first usable row is and its own sampling, when it carries some (an OpenAI
+    Batch request line): those become the dataset's settings. None when that row carries none."""
+    for item in read_dataset(paths, shape, split):
+        if isinstance(item, Row):
+            return (item.where, item.prompt.sampling) if item.prompt.sampling is not None else None
+    return None

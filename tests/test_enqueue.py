@@ -56,7 +56,7 @@ def test_bad_rows_are_named_and_good_rows_go_through(procs, conn, namespace, tmp
     assert f"{data}:3: field 'prompt': expected a non-empty string" in err
     assert f"{data}:4: field 'input_ids'[1]: expected a non-negative integer" in err
     assert f"{data}:5: no prompt: expected field 'input_ids', 'messages', 'conversations', " in err
-    assert "'prompt' or 'instruction' (fields present: text)" in err
+    assert "'prompt', 'instruction' or 'custom_id' (fields present: text)" in err
     assert f"{data}:8: expected a JSON object" in err
     queue = Queue(Keys(namespace).queue_name("mixed"), connection=conn, serializer="json")
     # Rows keep their position whatever is wrong around them: the text row is row 5.

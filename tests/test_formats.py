@@ -155,8 +155,8 @@ def test_bad_rows_are_rejected_with_where_and_why_in_process(tmp_path):
         8: f"{data}:9: field 'prompt': expected a non-empty string",
         9: f"{data}:10: field 'input': expected a string, got list",
         10: f"{data}:11: field 'id': expected a string or integer, got list",
-        11: f"{data}:12: no prompt: expected field 'input_ids', 'messages', 'conversations', 'prompt' or "
-        "'instruction' (fields present: title)",
+        11: f"{data}:12: no prompt: expected field 'input_ids', 'messages', 'conversations', 'prompt', "
+        "'instruction' or 'custom_id' (fields present: title)",
     }
     assert set(reasons) == set(expected)
     for row, text in expected.items():

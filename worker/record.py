@@ -6,6 +6,7 @@ from typing import Any
 
 from genq.backends import Answer
 from genq.logprobs import FILE as LOGPROBS_FILE
+from genq.openai_batch import RECORD_KEY as BATCH_KEY
 from genq.schema import SCHEMA_VERSION, JobSpec, now_iso
 from worker.reasoning import split
 
@@ -31,6 +32,8 @@ def build_record(
     if spec.keep_prompt:  # what exports need: the prompt ids (eagle3) and conversation (sharegpt)
         extra["input_ids"] = spec.input_ids if spec.input_ids is not None else answer.prompt_ids
         extra["messages"] = spec.messages or ([{"role": "user", "content": spec.text}] if spec.text else None)
+    if spec.batch is not None:  # an OpenAI Batch request: its export answers in the request's shape
+        extra[BATCH_KEY] = spec.batch
     if answer.finish_length is not None:
         extra["finish_length"] = answer.finish_length  # where the server cut max_new_tokens
     if not answer.token_exact:

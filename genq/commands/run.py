@@ -43,7 +43,7 @@ class Interrupted(Exception):
 FOLLOW_EVERY_S = 0.1
 # The APIs `genq sim-server` speaks (its --api); auto means SGLang's.
 SIMULATED = ("auto", "sglang", "vllm", "openai-chat")
-_RUN_OWN = {"files", "dataset", "server", "backend", "redis_url", "namespace", "register_only"}
+_RUN_OWN = {"files", "dataset", "server", "backend", "redis_url", "namespace", "register_only", "dry_run"}
 
 
 def _raw(param: click.Parameter) -> click.Parameter:
