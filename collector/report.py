@@ -143,7 +143,7 @@ def _throughput(d: DatasetStats) -> str:
     return (
         chart
         + _note(f"one bar per {per}")
-        + (_note(f"{missing:,} records without finished_at are not in it") if missing else "")
+        + (_note(f"{missing:,} of {d.records:,} records are not in it (no finished_at)") if missing else "")
     )
 
 
@@ -153,7 +153,8 @@ def _latency(d: DatasetStats) -> str:
         return _note(f"{UNKNOWN}: the records carry no latency")
     missing = d.records - len(d.latencies)
     table = _rows([(k, f"{pct[k]:,.3f} s") for k in ("p50", "p90", "p99", "min", "max")], "latency")
-    return table + (_note(f"{UNKNOWN} for {missing:,} records without one") if missing else "")
+    note = _note(f"{UNKNOWN} for {missing:,} of {d.records:,} records (no latency)") if missing else ""
+    return table + note
 
 
 def _attempts(d: DatasetStats) -> str:
