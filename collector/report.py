@@ -245,6 +245,7 @@ def render(folder: Path, stats: dict[str, DatasetStats]) -> str:
 @click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @option(
     "--output",
+    env="GENQ_REPORT_OUTPUT",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     help="Where to write the page (default: FOLDER/report.html).",
