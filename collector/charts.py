@@ -13,12 +13,14 @@ LEFT, BOTTOM, TOP = 64, 22, 8  # room for the y label, the x labels and the top 
 @dataclass
 class Bar:
     value: float
-    title: str  # plain text shown on hover (escaped here)
+    name: str  # where it stands on the x axis (the first and last bar's are written under it)
+    title: str  # plain text shown on hover
 
 
-def bar_chart(bars: list[Bar], label: str, first: str, last: str, unit: str) -> str:
+def bar_chart(bars: list[Bar], label: str, unit: str, x_unit: str) -> str:
     """One ``<rect class="bar">`` per bar, left to right, scaled to the tallest; the y axis says the
-    tallest value, the x axis the first and last bar's names."""
+    tallest value in ``unit``, the x axis the first and last bar's names, then ``x_unit``. Every
+    string is escaped here."""
     top = max((b.value for b in bars), default=0)
     plot_w, plot_h = WIDTH - LEFT, HEIGHT - BOTTOM - TOP
     step = plot_w / max(len(bars), 1)
@@ -38,6 +40,7 @@ def bar_chart(bars: list[Bar], label: str, first: str, last: str, unit: str) -> 
         f'<text x="{LEFT - 6}" y="{base}" text-anchor="end">0</text>'
         f'<line x1="{LEFT}" y1="{base}" x2="{WIDTH}" y2="{base}"/>'
         + "".join(rects)
-        + f'<text x="{LEFT}" y="{HEIGHT - 6}">{escape(first)}</text>'
-        f'<text x="{WIDTH}" y="{HEIGHT - 6}" text-anchor="end">{escape(last)}</text></svg>'
+        + f'<text x="{LEFT}" y="{HEIGHT - 6}">{escape(bars[0].name) if bars else ""}</text>'
+        f'<text x="{WIDTH}" y="{HEIGHT - 6}" text-anchor="end">'
+        f"{escape(f'{bars[-1].name} {x_unit}') if bars else ''}</text></svg>"
     )

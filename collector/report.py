@@ -80,7 +80,7 @@ def histogram(lengths: list[int]) -> list[Bar]:
     for i in range(math.ceil((hi - lo + 1) / width)):
         start, end = lo + i * width, lo + (i + 1) * width - 1
         span = f"{start:,}" if width == 1 else f"{start:,}–{end:,}"
-        bars.append(Bar(counts[i], f"{span} tokens: {counts[i]:,} records"))
+        bars.append(Bar(counts[i], span, f"{span} tokens: {counts[i]:,} records"))
     return bars
 
 
@@ -96,7 +96,8 @@ def throughput(minutes: Counter) -> tuple[list[Bar], int]:
     bars = []
     for i in range(math.ceil(span / width)):
         rate = buckets[i] / width
-        bars.append(Bar(rate, f"{_minute(first + i * width)}: {rate:,.0f} tokens/min"))
+        at = _minute(first + i * width)
+        bars.append(Bar(rate, at, f"{at}: {rate:,.0f} tokens/min"))
     return bars, width
 
 
@@ -127,9 +128,7 @@ def _numbers(d: DatasetStats) -> str:
 def _lengths(d: DatasetStats) -> str:
     if not d.lengths:
         return _note("no records")
-    bars = histogram(d.lengths)
-    first, last = bars[0].title.split(" tokens")[0], bars[-1].title.split(" tokens")[0]
-    return bar_chart(bars, "completion length histogram", first, f"{last} tokens", "records")
+    return bar_chart(histogram(d.lengths), "completion length histogram", "records", "tokens")
 
 
 def _throughput(d: DatasetStats) -> str:
@@ -137,8 +136,7 @@ def _throughput(d: DatasetStats) -> str:
         return _note(f"{UNKNOWN}: no record says when it finished (finished_at)")
     bars, width = throughput(d.minutes)
     per = "minute" if width == 1 else f"{width} minutes"
-    first, last = _minute(min(d.minutes)), _minute(max(d.minutes))
-    chart = bar_chart(bars, "completion tokens per minute", first, last, "tok/min")
+    chart = bar_chart(bars, "completion tokens per minute", "tok/min", "")
     missing = d.records - d.timed
     return (
         chart

@@ -16,6 +16,7 @@ from tests.dataset_helpers import run_pipeline
 from tests.helpers import Procs, dump_dom, need, read_jsonl, write_jsonl, write_prompts
 
 SCRIPT = "<script>alert(1)</script>"
+TOOL = "<img src=x onerror=alert(3)>"  # a dataset (a folder's name) is untrusted too
 
 
 class Page(HTMLParser):
@@ -105,7 +106,7 @@ def test_report_shows_the_files_numbers_escaped_and_self_contained(procs: Procs,
     need("chromium")
     root = tmp_path / "run"
     (root / "hand").mkdir(parents=True)
-    (root / "tool").mkdir()
+    (root / TOOL).mkdir()
     records = write_jsonl(root / "hand" / "raw_responses.jsonl", [hand_record(i) for i in range(21)])
     errors = [
         {"id": "hand-30", "row": 30, "error": "server_error", "message": "boom 1", "status": 500},
@@ -113,12 +114,12 @@ def test_report_shows_the_files_numbers_escaped_and_self_contained(procs: Procs,
         {"id": "hand-32", "row": 32, "error": "server_error", "message": "boom 2", "status": 500},
     ]
     write_jsonl(root / "hand" / "errors.jsonl", errors)
-    write_jsonl(root / "tool" / "chat.jsonl", [chat(5), chat(9)])
+    write_jsonl(root / TOOL / "chat.jsonl", [chat(5), chat(9)])
     recs = read_jsonl(records)
 
     page = rendered(procs, root, tmp_path / "chromium")
     assert (root / "report.html").is_file(), "written to OUT/report.html by default"
-    assert set(page.sections) == {"run", "hand", "tool"}
+    assert set(page.sections) == {"run", "hand", TOOL}
 
     hand = page.sections["hand"]
     assert hand["tables"]["numbers"] == {
@@ -170,7 +171,7 @@ def test_report_shows_the_files_numbers_escaped_and_self_contained(procs: Procs,
     urls = [v for _, a in page.elements for k, v in a.items() if k in ("src", "href") and v]
     assert not [u for u in urls if re.match(r"\s*(https?:)?//", u)], urls
 
-    tool = page.sections["tool"]
+    tool = page.sections[TOOL]
     assert tool["tables"]["numbers"]["records"] == ["2"]
     assert tool["tables"]["numbers"]["cut"] == ["unknown"], "another tool's records cannot say"
     assert tool["tables"]["attempts"] == {"unknown": ["2"]}
