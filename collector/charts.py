@@ -42,5 +42,5 @@ def bar_chart(bars: list[Bar], label: str, unit: str, x_unit: str) -> str:
         + "".join(rects)
         + f'<text x="{LEFT}" y="{HEIGHT - 6}">{escape(bars[0].name) if bars else ""}</text>'
         f'<text x="{WIDTH}" y="{HEIGHT - 6}" text-anchor="end">'
-        f"{escape(f'{bars[-1].name} {x_unit}') if bars else ''}</text></svg>"
+        f"{escape(f'{bars[-1].name} {x_unit}'.strip()) if bars else ''}</text></svg>"
     )

@@ -35,10 +35,6 @@ pre{white-space:pre-wrap;margin:0}
 """
 
 
-def _n(value: float) -> str:
-    return f"{value:,}" if isinstance(value, int) else f"{value:,.2f}"
-
-
 def _utc(epoch: float, fmt: str = "%Y-%m-%d %H:%M:%S UTC") -> str:
     return time.strftime(fmt, time.gmtime(epoch))
 
