@@ -22,6 +22,7 @@ import statistics
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,9 @@ class Rec:
     completion_tokens: int
     finish_reason: str | None = None
     latency_s: float | None = None
-    cut: bool = False  # stopped below the max_new_tokens asked for (genq's finish_length)
+    cut: bool | None = None  # stopped below the max_new_tokens asked for (genq's finish_length)
+    finished_at: float | None = None  # epoch seconds
+    attempts: int | None = None  # sends it took
 
 
 class Unreadable(Exception):
@@ -82,6 +85,22 @@ def _latency(*candidates: Any) -> float | None:
     return None
 
 
+def _epoch(value: Any) -> float | None:
+    """An ISO time (genq's ``finished_at``, UTC when it names no zone) as epoch seconds; None when
+    absent or unreadable."""
+    if not isinstance(value, str):
+        return None
+    try:
+        at = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return (at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp()
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def read_genq(obj: dict) -> Rec | None:
     if not isinstance(obj.get("schema"), int) or "id" not in obj or obj.get("error"):
         return None
@@ -91,6 +110,8 @@ def read_genq(obj: dict) -> Rec | None:
         _finish(obj.get("finish_reason")),
         _latency(obj.get("latency_s")),
         cut_short(obj),
+        _epoch(obj.get("finished_at")),
+        _positive(obj.get("attempts")),
     )
 
 
@@ -149,6 +170,13 @@ def error_class(obj: dict) -> str | None:
     return str(error)
 
 
+def error_message(obj: dict) -> str | None:
+    """What a failure line says happened (genq's ``message``, or an API error's ``message``)."""
+    error = obj.get("error")
+    message = error.get("message") if isinstance(error, dict) else obj.get("message")
+    return message if isinstance(message, str) and message else None
+
+
 # -- one dataset --------------------------------------------------------------------------------
 
 
@@ -161,8 +189,15 @@ class DatasetStats:
     latencies: list[float] = field(default_factory=list)
     finish_reasons: Counter = field(default_factory=Counter)
     cut: int = 0
+    cut_known: int = 0  # records whose shape says whether the server cut them (genq's)
+    timed: int = 0  # records that say when they finished
+    minutes: Counter = field(default_factory=Counter)  # completion tokens by minute finished
+    first_at: float | None = None
+    last_at: float | None = None
+    attempts: Counter = field(default_factory=Counter)  # sends a record took -> records
     shapes: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
+    error_examples: dict[str, str] = field(default_factory=dict)  # class -> its first message
     unrecognized: int = 0
     examples: list[str] = field(default_factory=list)
 
@@ -183,6 +218,9 @@ class DatasetStats:
         error = error_class(obj)
         if error is not None:
             self.errors[error] += 1
+            message = error_message(obj)
+            if message is not None:
+                self.error_examples.setdefault(error, message)
             return None
         keys = ", ".join(list(obj)[:6])
         return self._unrecognized(where, f"unknown shape (keys: {keys})")
@@ -194,9 +232,19 @@ class DatasetStats:
         self.completion_tokens += rec.completion_tokens
         self.lengths.append(rec.completion_tokens)
         self.finish_reasons[rec.finish_reason or "unknown"] += 1
-        self.cut += rec.cut
+        if rec.cut is not None:
+            self.cut += rec.cut
+            self.cut_known += 1
         if rec.latency_s is not None:
             self.latencies.append(rec.latency_s)
+        if rec.attempts is not None:
+            self.attempts[rec.attempts] += 1
+        if rec.finished_at is not None:
+            self.timed += 1
+            self.minutes[int(rec.finished_at // 60)] += rec.completion_tokens
+            at = rec.finished_at
+            self.first_at = at if self.first_at is None else min(at, self.first_at)
+            self.last_at = at if self.last_at is None else max(at, self.last_at)
 
     def _unrecognized(self, where: str, why: str) -> None:
         self.unrecognized += 1

@@ -33,6 +33,33 @@ def need(tool: str) -> str:
     return path
 
 
+def dump_dom(url: str, profile) -> str:
+    """The page as headless Chromium shows it, after its JavaScript (if any) has run: the DOM
+    serialized, for a URL (http:// or file://)."""
+    res = subprocess.run(
+        [
+            need("chromium"),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
 def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll ``cond`` until it is truthy; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -20,6 +20,7 @@ from genq.commands.embedded import free_port
 from genq.keys import Keys
 from tests.helpers import (
     assert_adds_up,
+    dump_dom,
     http,
     log_of,
     need,
@@ -28,32 +29,6 @@ from tests.helpers import (
     wait_until,
     write_prompts,
 )
-
-
-def dump_dom(url: str, profile) -> str:
-    """The page after its JavaScript has filled the tables from the JSON endpoints."""
-    res = subprocess.run(
-        [
-            need("chromium"),
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={profile}",
-            "--virtual-time-budget=5000",
-            "--dump-dom",
-            url,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    return res.stdout
 
 
 def test_dashboard_in_chromium_during_a_run(procs, start_sim, out, tmp_path, conn, namespace):

@@ -28,6 +28,7 @@ ROLES = {
     "collect": "collector.cli.collect_command",
     "export": "collector.export.export_command",
     "stats": "collector.stats.stats_command",
+    "report": "collector.report.report_command",
     "dashboard": "genq.commands.dashboard.dashboard_command",
     "run": "genq.commands.run.run_command",
     "verify": "genq.commands.verify.verify_command",
