@@ -13,7 +13,7 @@ from genq.logs import logging_options, setup_logging
 from genq.metrics import metrics_options, serve
 from genq.settings import option, redis_options
 from worker import metrics
-from worker.config import WorkerConfig
+from worker.config import AUTO, ConcurrencyParam, WorkerConfig
 from worker.daemon import Worker
 
 
@@ -34,7 +34,18 @@ from worker.daemon import Worker
 @option(
     "--model", default=None, help="The model to ask for (OpenAI-style servers; default: the first listed)."
 )
-@option("--concurrency", type=click.IntRange(min=1), default=128, help="Jobs in flight in this process.")
+@option(
+    "--concurrency",
+    type=ConcurrencyParam(),
+    default=128,
+    help="Jobs in flight in this process; auto: steered by the server's load, up to --max-concurrency.",
+)
+@option(
+    "--max-concurrency",
+    type=click.IntRange(min=1),
+    default=1024,
+    help="With --concurrency auto: the most jobs in flight (the connection pool's size).",
+)
 @option(
     "--max-attempts",
     type=click.IntRange(min=1),
@@ -86,6 +97,7 @@ def worker_command(
     backend,
     model,
     concurrency,
+    max_concurrency,
     max_attempts,
     max_spared,
     max_crashes,
@@ -113,7 +125,8 @@ def worker_command(
         server=server,
         backend=backend,
         model=model,
-        concurrency=concurrency,
+        **({"auto": True} if concurrency == AUTO else {"concurrency": concurrency}),
+        max_concurrency=max_concurrency,
         max_attempts=max_attempts,
         max_spared=max_spared,
         max_crashes=max_crashes,
@@ -129,5 +142,5 @@ def worker_command(
 
 
 async def _run(conn, keys: Keys, config: WorkerConfig) -> None:
-    async with Http(config.server, config.concurrency) as http:
+    async with Http(config.server, config.ceiling) as http:
         await Worker(conn, keys, config, http).run()
