@@ -13,17 +13,9 @@ import pytest
 
 from genq.backends import BACKENDS, Http
 from genq.backends.load import Load
-from tests.helpers import sim_post, sim_stats, wait_until
+from tests.helpers import server_load, sim_post, sim_stats, wait_until
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def read(url: str, backend: str) -> Load | None:
-    async def run() -> Load | None:
-        async with Http(url) as http:
-            return await BACKENDS[backend](http).load()
-
-    return asyncio.run(run())
 
 
 async def _send(url: str, n: int, max_new: int) -> None:
@@ -39,7 +31,7 @@ async def _send(url: str, n: int, max_new: int) -> None:
 def test_sglang_load_reads_v1_loads_and_metrics_counts_retractions(start_sim):
     flags = ("--latency", "realistic", "--max-running-requests", "4", "--min-len", "40", "--max-len", "40")
     url = start_sim(*flags, "--decode-step-ms", "5", "--kv-tokens", "150", "--enable-metrics")
-    idle = read(url, "sglang")
+    idle = server_load(url, "sglang")
     assert idle == Load(
         source="/v1/loads+/metrics",
         running=0,
@@ -52,7 +44,7 @@ def test_sglang_load_reads_v1_loads_and_metrics_counts_retractions(start_sim):
     asyncio.run(_send(url, 12, 40))
     stats = sim_stats(url)
     assert stats["retracted"] > 0, "150 KV tokens cannot hold 4 sequences of 8 + 40 tokens"
-    assert read(url, "sglang").preempted == stats["retracted"]
+    assert server_load(url, "sglang").preempted == stats["retracted"]
 
 
 def test_sglang_load_sees_running_and_waiting(start_sim):
@@ -73,14 +65,16 @@ def test_sglang_load_sees_running_and_waiting(start_sim):
 
 def test_vllm_load_reads_metrics(start_sim):
     url = start_sim("--api", "vllm", "--latency", "realistic", "--kv-tokens", "1000")
-    assert read(url, "vllm") == Load(source="/metrics", running=0, waiting=0, kv_usage=0.0, preempted=0)
+    assert server_load(url, "vllm") == Load(
+        source="/metrics", running=0, waiting=0, kv_usage=0.0, preempted=0
+    )
 
 
 def test_hosted_chat_api_has_no_load(start_sim):
-    assert read(start_sim("--api", "openai-chat"), "openai-chat") is None
+    assert server_load(start_sim("--api", "openai-chat"), "openai-chat") is None
 
 
 def test_kv_capacity_changes_at_runtime(start_sim):
     url = start_sim("--latency", "realistic", "--kv-tokens", "1000")
     assert sim_post(url, "/sim/kv-tokens", {"kv_tokens": 500}) == {"kv_tokens": 500}
-    assert read(url, "sglang").kv_tokens == 500
+    assert server_load(url, "sglang").kv_tokens == 500
