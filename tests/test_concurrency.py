@@ -24,7 +24,6 @@ from tests.helpers import (
     write_prompts,
 )
 
-pytestmark = pytest.mark.timeout(300)
 # Outputs of 100-200 tokens at 10 ms a step: each job holds its KV for seconds, so the cache,
 # not the batch slots (256), bounds how many run at once.
 SIM = ("--latency", "realistic", "--decode-step-ms", "10", "--min-len", "100", "--max-len", "200")
@@ -61,6 +60,8 @@ def test_fixed_concurrency_is_the_target_and_never_moves(procs, start_sim, tmp_p
     assert "concurrency " not in log_of(worker)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # its waits: 60 + 54 + 60 + 48 + 60 + 240 s
 def test_auto_follows_the_kv_capacity_and_loses_nothing(procs, start_sim, out, tmp_path):
     url = start_sim(*SIM, "--kv-tokens", "6000", "--enable-metrics")
     data = tmp_path / "auto.jsonl"
@@ -90,6 +91,8 @@ def test_auto_follows_the_kv_capacity_and_loses_nothing(procs, start_sim, out, t
     assert_verified(procs, out, data)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(480)  # its waits: 90 + 60 + 240 s
 def test_two_workers_on_one_server_settle_without_oscillating(procs, start_sim, out, tmp_path):
     url = start_sim(*SIM, "--kv-tokens", "8000", "--enable-metrics")
     data = tmp_path / "two.jsonl"
@@ -112,6 +115,8 @@ def test_two_workers_on_one_server_settle_without_oscillating(procs, start_sim, 
     assert_verified(procs, out, data)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(360)  # its waits: 60 + 180 s
 def test_without_a_load_signal_429s_shrink_it(procs, start_sim, out, tmp_path):
     """A hosted chat API says nothing of its load: answers' latency and 429s steer instead."""
     lengths = ("--min-len", "20", "--max-len", "40")
