@@ -54,6 +54,7 @@ class Concurrency:
     ceiling: int
     auto: bool = False
     reason: str = "fixed"  # why it last moved
+    _why: dict[bool, str] = field(default_factory=dict)  # why it last went up (True) and down (False)
     _preempted: int | None = None
     _waiting: int = 0
     _samples: list[float] = field(default_factory=list)  # seconds per output token, since the last steer
@@ -99,6 +100,7 @@ class Concurrency:
         self._since_shrink = 0 if shrunk else self._since_shrink + 1
         if new == self.target:
             return False
+        self._why[new > self.target] = reason
         self.target, self.reason = new, reason
         return True
 
@@ -159,7 +161,8 @@ class Concurrency:
         return self.target, f"per-token latency {1 / gradient:.2f}× its minimum"
 
     def log_line(self, now: float) -> str | None:
-        """What to log about the target: at most one line every LOG_EVERY_S, only if it moved."""
+        """What to log about the target: at most one line every LOG_EVERY_S, only if it moved, with
+        the last reason it moved that way."""
         if self._logged is None:
             self._logged = (now, self.target)
             return None
@@ -167,4 +170,4 @@ class Concurrency:
         if self.target == logged or now - when < LOG_EVERY_S:
             return None
         self._logged = (now, self.target)
-        return f"concurrency {logged} -> {self.target} (latest move: {self.reason})"
+        return f"concurrency {logged} -> {self.target} ({self._why[self.target > logged]})"
