@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,7 @@ class Config:
     name: str
     sim_flags: tuple[str, ...]
     workers: int
-    concurrency: int
+    concurrency: int | str  # or "auto"
     jobs: int
     max_new_tokens: int
     baseline: str  # the row the ratio column divides by
@@ -95,8 +96,15 @@ def log_issues(logs: Path) -> list[str]:
     return found
 
 
-def run_once(cfg: Config, redis: EmbeddedRedis, work: Path, children: list[subprocess.Popen]) -> dict:
-    """One configuration end to end in a fresh namespace and simulator; its measurements."""
+def run_once(
+    cfg: Config,
+    redis: EmbeddedRedis,
+    work: Path,
+    children: list[subprocess.Popen],
+    measure_sim: Callable[[str], dict] | None = None,
+) -> dict:
+    """One configuration end to end in a fresh namespace and simulator; its measurements (with
+    ``measure_sim``'s of the simulator's URL, taken before it stops)."""
     # A unique dataset name too, not only a namespace: RQ job ids are "<dataset>-<row>" with no
     # namespace, so a second run of dataset "bench" inherits the 60 s expiry of the previous
     # run's finished job hashes and those jobs silently vanish (a genq bug).
@@ -148,6 +156,7 @@ def run_once(cfg: Config, redis: EmbeddedRedis, work: Path, children: list[subpr
     cpu = reap([*workers, collector], t0 + TIMEOUT_S)
     wall = time.monotonic() - t0
     sim_cpu, redis_cpu = cpu_s(sim.pid) - sim_cpu0, cpu_s(redis.proc.pid) - redis_cpu0
+    of_sim = measure_sim(server) if measure_sim is not None else {}
     sim.kill()
     sim.wait(10)
     bad = {f"{p.args[3]}-{p.pid}": p.returncode for p in [*workers, collector] if p.returncode != 0}
@@ -160,6 +169,7 @@ def run_once(cfg: Config, redis: EmbeddedRedis, work: Path, children: list[subpr
     if len(records) != cfg.jobs or unique != cfg.jobs:
         raise RuntimeError(f"{len(records)} lines, {unique} unique ids, expected {cfg.jobs}; see {out}")
     tokens = sum(r["completion_tokens"] for r in records)
+    latencies = sorted(r["latency_s"] for r in records)
     worker_cpu = sum(cpu[p.pid] for p in workers)
     issues = log_issues(logs)
     return {
@@ -167,12 +177,15 @@ def run_once(cfg: Config, redis: EmbeddedRedis, work: Path, children: list[subpr
         "jobs_per_s": cfg.jobs / wall,
         "completion_tok_per_s": tokens / wall,
         "completion_tokens": tokens,
+        "latency_p50_s": latencies[len(latencies) // 2],
+        "latency_p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         "worker_cpu_ms_per_job": 1000 * worker_cpu / cfg.jobs,
         "collector_cpu_s": cpu[collector.pid],
         "sim_cpu_s": sim_cpu,
         "redis_cpu_s": redis_cpu,
         "log_issues": len(issues),
         "log_issue_sample": issues[:5],
+        **of_sim,
     }
 
 

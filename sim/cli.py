@@ -142,6 +142,13 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
     "--max-running-requests", default=256, type=click.IntRange(1), help="Batch slots; more requests queue."
 )
 @_option("--max-queued-requests", default=None, type=click.IntRange(0), help="Queue bound: 503 when full.")
+@_option(
+    "--kv-tokens",
+    default=None,
+    type=click.IntRange(1),
+    help="KV-cache capacity in tokens (realistic latency): past it, running requests are retracted.",
+)
+@_option("--enable-metrics/--no-enable-metrics", default=False, help="SGLang: serve /metrics (Prometheus).")
 @_option("--fail-500", default=0.0, type=RATE, help="Rate of HTTP 500 answers.")
 @_option("--fail-503", default=0.0, type=RATE, help="Rate of HTTP 503 'The request queue is full.'.")
 @_option("--fail-429", default=0.0, type=RATE, help="Rate of HTTP 429 with Retry-After: 1.")
@@ -179,6 +186,8 @@ def sim_server(
     tokens_per_tick: int,
     max_running_requests: int,
     max_queued_requests: int | None,
+    kv_tokens: int | None,
+    enable_metrics: bool,
     fail_500: float,
     fail_503: float,
     fail_429: float,
@@ -234,6 +243,8 @@ def sim_server(
             tokens_per_tick=tokens_per_tick,
             max_running_requests=max_running_requests,
             max_queued_requests=max_queued_requests,
+            kv_tokens=kv_tokens,
+            enable_metrics=enable_metrics,
             faults=faults,
             seed=seed,
         )

@@ -27,6 +27,10 @@ class SimConfig:
     tokens_per_tick: int = 8
     max_running_requests: int = 256
     max_queued_requests: int | None = None  # as SGLang: unbounded unless set, then 503 when full
+    # KV-cache capacity in tokens (realistic latency): over-admission, then retraction/preemption.
+    # None: context * max_running_requests, which never binds.
+    kv_tokens: int | None = None
+    enable_metrics: bool = False  # SGLang --enable-metrics: /metrics (vLLM always serves it)
     faults: FaultRates = field(default_factory=FaultRates)
     seed: int | None = 0  # fault RNG seed
     healthy: bool = True
@@ -66,6 +70,8 @@ class SimConfig:
             raise ValueError(f"need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
         if min(self.context_length or 8, self.model_context_length) < 8:
             raise ValueError("context lengths must be at least 8")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ValueError("kv_tokens must be positive")
         if self.batch_knee <= 0 or self.tokens_per_tick < 1 or self.max_running_requests < 1:
             raise ValueError("batch_knee, tokens_per_tick and max_running_requests must be positive")
 
@@ -79,6 +85,11 @@ class SimConfig:
         """SGLang: min(context - 1, KV capacity - 1) - 5; the KV pool is never the limit here."""
         return self.context - 6
 
+    @property
+    def max_total_num_tokens(self) -> int:
+        """SGLang's KV pool size in tokens (/server_info, /v1/loads)."""
+        return self.kv_tokens or self.context * self.max_running_requests
+
     def latency_params(self) -> LatencyParams:
         return LatencyParams(
             decode_step_s=self.decode_step_s,
@@ -88,4 +99,5 @@ class SimConfig:
             max_running=self.max_running_requests,
             max_queued=self.max_queued_requests,
             running_timeout_s=self.req_running_timeout_s,
+            kv_tokens=self.kv_tokens,
         )

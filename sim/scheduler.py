@@ -5,6 +5,13 @@ GPU scheduler runs one batch step for all. A sequence waits in a FIFO queue unti
 is free, then spends its prefill time, then decodes one token per step. A step takes
 decode_step_s * (1 + decoding / batch_knee): near-flat for small batches, linear past the knee,
 so per-request latency grows with concurrency while throughput still rises.
+
+With a KV capacity (``kv_tokens``), every admitted sequence holds prompt + generated-so-far
+tokens. Admission looks only at what fits now, not at what decoding will add (SGLang and vLLM
+both over-admit that way); when the next step does not fit, the newest running sequence is
+retracted (SGLang, ``schedule_batch.py`` retract_decode) or preempted (vLLM, recompute) back to
+the head of the queue, and its whole KV (prompt + output so far) is prefilled again on
+re-admission, stalling the batch for that long: work paid for twice.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ class Sequence:
     steps: int
     future: asyncio.Future[int]
     done: int = 0
+    retracted: bool = False  # back in the queue: its KV must be recomputed on re-admission
     ready_at: float = 0.0
     running_since: float | None = None
     abort_message: str | None = None
@@ -36,6 +44,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.future.done()
+
+    @property
+    def kv(self) -> int:
+        """KV-cache tokens it holds while running: the prompt and what it has generated."""
+        return self.prompt_tokens + self.done
 
 
 @dataclass
@@ -49,6 +62,7 @@ class LatencyParams:
     max_running: int = 256
     max_queued: int | None = None
     running_timeout_s: float | None = None  # SGLANG_REQ_RUNNING_TIMEOUT
+    kv_tokens: int | None = None  # KV-cache capacity in tokens; None: never the limit
 
 
 @dataclass(eq=False)
@@ -60,10 +74,22 @@ class BatchScheduler:
     _active: list[Sequence] = field(default_factory=list)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = None
+    retracted: int = 0  # sequences sent back to the queue for lack of KV, since start
+    recomputed_tokens: int = 0  # KV tokens prefilled again because of those
+    _stall_s: float = 0.0  # recompute time the next step pays
 
     @property
     def running(self) -> int:
         return len(self._active)
+
+    @property
+    def kv_used(self) -> int:
+        return sum(s.kv for s in self._active)
+
+    def set_kv_tokens(self, kv_tokens: int | None) -> None:
+        """Change the KV capacity while running (a smaller or larger GPU, another model's share)."""
+        self.params.kv_tokens = kv_tokens
+        self._wake.set()
 
     @property
     def queued(self) -> int:
@@ -117,12 +143,35 @@ class BatchScheduler:
                 await self._task
             self._task = None
 
+    def _fits(self, seq: Sequence) -> bool:
+        """Its KV fits now (decode growth not reserved); an empty batch takes anything."""
+        capacity = self.params.kv_tokens
+        return capacity is None or not self._active or self.kv_used + seq.kv <= capacity
+
     def _admit(self, now: float) -> None:
-        while self._waiting and len(self._active) < self.params.max_running:
+        while self._waiting and len(self._active) < self.params.max_running and self._fits(self._waiting[0]):
             seq = self._waiting.popleft()
-            seq.running_since = now
-            seq.ready_at = now + seq.prompt_tokens * self.params.prefill_per_token_s
+            if seq.running_since is None:
+                seq.running_since = now
+            prefill = seq.kv if seq.retracted else seq.prompt_tokens
+            if seq.retracted:
+                seq.retracted = False
+                self.recomputed_tokens += seq.kv
+                self._stall_s += seq.kv * self.params.prefill_per_token_s
+            seq.ready_at = now + prefill * self.params.prefill_per_token_s
             self._active.append(seq)
+
+    def _retract(self, decoding: list[Sequence], steps: int) -> None:
+        """Send the newest sequences back to the queue until the next `steps` fit in the KV cache."""
+        capacity = self.params.kv_tokens
+        if capacity is None:
+            return
+        while len(decoding) > 1 and self.kv_used + len(decoding) * steps > capacity:
+            seq = decoding.pop()
+            self._active.remove(seq)
+            seq.retracted = True
+            self._waiting.appendleft(seq)
+            self.retracted += 1
 
     def _finish(self, seq: Sequence) -> None:
         self._active.remove(seq)
@@ -143,16 +192,20 @@ class BatchScheduler:
             now = time.monotonic()
             self._admit(now)
             decoding = [s for s in self._active if s.ready_at <= now]
-            for seq in [s for s in decoding if s.done >= s.steps]:
+            finished = [s for s in decoding if s.done >= s.steps]
+            for seq in finished:
                 self._finish(seq)
-                decoding.remove(seq)
+            if finished:
+                continue  # their slots and KV are free: admit before the next step
             if not decoding:
                 await self._idle(now)
                 continue
-            step_s = self.params.decode_step_s * (1.0 + len(decoding) / self.params.batch_knee)
             # Several steps per tick keep CPU low; stop early where a sequence ends so its time is exact.
             steps = min(self.params.tokens_per_tick, min(s.steps - s.done for s in decoding))
-            await asyncio.sleep(steps * step_s)
+            self._retract(decoding, steps)
+            step_s = self.params.decode_step_s * (1.0 + len(decoding) / self.params.batch_knee)
+            stall, self._stall_s = self._stall_s, 0.0
+            await asyncio.sleep(steps * step_s + stall)
             for seq in decoding:
                 if not seq.finished:
                     seq.done += steps

@@ -30,6 +30,8 @@ async def sim_stats(request: web.Request) -> web.Response:
             **state.stats.snapshot(),
             "running": scheduler.running if scheduler else 0,
             "queued": scheduler.queued if scheduler else 0,
+            "retracted": scheduler.retracted if scheduler else 0,
+            "recomputed_tokens": scheduler.recomputed_tokens if scheduler else 0,
             "healthy": state.healthy,
         }
     )
@@ -59,6 +61,16 @@ async def sim_health(request: web.Request) -> web.Response:
 async def sim_rids(request: web.Request) -> web.Response:
     """Every rid received so far, in order (tests check that none repeats or prefixes another)."""
     return json_response(request.app[SIM_STATE].rids)
+
+
+async def sim_kv_tokens(request: web.Request) -> web.Response:
+    """POST {"kv_tokens": int}: change the KV-cache capacity while the server runs (realistic latency)."""
+    state = request.app[SIM_STATE]
+    tokens = (await json_body(request)).get("kv_tokens")
+    if state.scheduler is None or not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        return validation_error("kv_tokens must be a positive integer, under --latency realistic")
+    state.scheduler.set_kv_tokens(tokens)
+    return json_response({"kv_tokens": tokens})
 
 
 async def sim_api_key(request: web.Request) -> web.Response:
@@ -111,6 +123,7 @@ def make_app(config: SimConfig | None = None) -> web.Application:
     router.add_post("/sim/health", sim_health)
     router.add_get("/sim/rids", sim_rids)
     router.add_post("/sim/api-key", sim_api_key)
+    router.add_post("/sim/kv-tokens", sim_kv_tokens)
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
     return app

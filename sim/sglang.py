@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from sim import model
+from sim import loads, model
 from sim.engine import Served, deliver, generate
 from sim.errors import http_error, value_error
 from sim.http import json_body, json_response
@@ -202,7 +202,7 @@ async def server_info(request: web.Request) -> web.Response:
             "served_model_name": model.MODEL_PATH,
             "context_length": config.context_length,  # null unless --context-length was given
             "max_req_input_len": config.max_req_input_len,
-            "max_total_num_tokens": config.context * config.max_running_requests,
+            "max_total_num_tokens": config.max_total_num_tokens,
             "max_running_requests": config.max_running_requests,
             "max_queued_requests": config.max_queued_requests,
             "enable_deterministic_inference": config.deterministic,
@@ -248,3 +248,6 @@ def add_routes(app: web.Application) -> None:
         router.add_get("/model_info", model_info)
         router.add_get("/server_info", server_info)
     router.add_get("/v1/models", models)
+    router.add_get("/v1/loads", loads.sglang_loads)
+    if app[SIM_STATE].config.enable_metrics:
+        router.add_get("/metrics", loads.sglang_metrics)

@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from sim import model
+from sim import loads, model
 from sim.engine import Served, deliver, generate
 from sim.http import json_response
 from sim.openai_chat import ChatError, chat_body, finish_of, parse_messages, sampling, usage
@@ -354,3 +354,4 @@ def add_routes(app: web.Application) -> None:
     router.add_get("/v1/models", models)
     router.add_get("/version", version)
     router.add_get("/health", health)
+    router.add_get("/metrics", loads.vllm_metrics)

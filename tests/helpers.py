@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import dataclasses
 import os
 import shutil
 import signal
@@ -19,6 +21,8 @@ from typing import Any
 import orjson
 import pytest
 
+from genq.backends import BACKENDS, Http
+from genq.backends.load import Load
 from sim.model import generate
 
 
@@ -254,6 +258,24 @@ def sim_post(url: str, path: str, body: dict) -> dict:
     req = urllib.request.Request(url + path, data=orjson.dumps(body), method="POST")
     with urllib.request.urlopen(req, timeout=10) as resp:
         return orjson.loads(resp.read())
+
+
+def server_load(url: str, backend: str) -> Load | None:
+    """What a backend's load() reads of the server at ``url`` (genq/backends/load.py)."""
+
+    async def run() -> Load | None:
+        async with Http(url) as http:
+            return await BACKENDS[backend](http).load()
+
+    return asyncio.run(run())
+
+
+def load_shape(load: Load | None) -> dict[str, Any] | None:
+    """Which of a Load's fields the server fills, and from which endpoints: what must agree between
+    a real engine and the simulator (the values differ: their batches do)."""
+    if load is None:
+        return None
+    return {k: v if k == "source" else v is not None for k, v in dataclasses.asdict(load).items()}
 
 
 def sim_stats(url: str) -> dict:

@@ -13,10 +13,12 @@ from collections import Counter
 
 import pytest
 
+from genq.backends.load import Load
 from tests.helpers import (
     finish_run,
     log_of,
     read_jsonl,
+    server_load,
     sigkill,
     status_json,
     stop,
@@ -24,7 +26,7 @@ from tests.helpers import (
     write_ids,
     write_jsonl,
 )
-from tests.llama import LlamaServer, direct, tiny_prompts
+from tests.llama import SLOTS, LlamaServer, direct, tiny_prompts
 
 pytestmark = pytest.mark.real_engine
 MAX_NEW = 32
@@ -215,3 +217,9 @@ def test_a_chat_dataset_rendered_with_the_models_own_tokenizer(procs, llama, lla
     ]
     records = _check_exact(out, "chat", prompts, llama.url)
     assert all(r["input_ids"] == prompts[r["row"]] for r in records)
+
+
+def test_load_reads_llama_servers_slots(llama):
+    """/slots (on by default): busy slots are the running batch, the slot count its size; without
+    --metrics there is no waiting count."""
+    assert server_load(llama.url, "llamacpp") == Load(source="/slots", running=0, max_running=SLOTS)

@@ -32,9 +32,11 @@ from tests.engines import (
 from tests.helpers import (
     assert_verified,
     finish_run,
+    load_shape,
     log_of,
     read_jsonl,
     run_burst,
+    server_load,
     sigkill,
     sim_get,
     status_json,
@@ -492,3 +494,15 @@ def test_the_simulator_answers_as_the_real_sglang(sglang, start_sim):
         real, simulated = scenario(sglang.url), scenario(sim)
         found += [f"{name}: {k} {simulated[k]!r}, real {real[k]!r}" for k in real if real[k] != simulated[k]]
     assert not found, "the simulator differs from the real SGLang:\n" + "\n".join(found)
+
+
+def test_load_reads_the_real_sglang_as_it_reads_the_simulator(sglang, start_sim):
+    """genq's load() of the real 0.5.23 (/v1/loads, and /metrics: the module's server counts with
+    --enable-metrics) and of the simulator in the same mode fill the same fields from the same
+    endpoints; idle, both say nothing runs, nothing waits, nothing was retracted."""
+    sim = start_sim("--sglang-version", "0.5.23", "--latency", "realistic", "--enable-metrics")
+    real, simulated = server_load(sglang.url, "sglang"), server_load(sim, "sglang")
+    assert real is not None and real.source == "/v1/loads+/metrics", real
+    assert load_shape(real) == load_shape(simulated), (real, simulated)
+    assert (real.running, real.waiting, real.preempted) == (0, 0, 0), real
+    assert real.max_running and real.kv_tokens and 0.0 <= real.kv_usage <= 1.0, real

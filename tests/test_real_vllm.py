@@ -18,9 +18,11 @@ from tests.engines import CONTEXT, generations_per_job, hf_prompts, metric, post
 from tests.helpers import (
     assert_verified,
     finish_run,
+    load_shape,
     log_of,
     read_jsonl,
     run_burst,
+    server_load,
     sim_get,
     status_json,
     wait_until,
@@ -303,3 +305,12 @@ def test_the_simulator_answers_as_the_real_vllm(vllm, start_sim):
         if real[k] != simulated[k]
     ]
     assert not found, "the simulator differs from the real vLLM:\n" + "\n".join(found)
+
+
+def test_load_reads_the_real_vllm_as_it_reads_the_simulator(vllm, start_sim):
+    """genq's load() of the real vLLM's /metrics and of the simulator's in vLLM mode fill the same
+    fields; idle, both say nothing runs, nothing waits, nothing was preempted."""
+    sim = start_sim("--api", "vllm", "--vllm-version", "0.32.0", "--latency", "realistic")
+    real, simulated = server_load(vllm.url, "vllm"), server_load(sim, "vllm")
+    assert real is not None and load_shape(real) == load_shape(simulated), (real, simulated)
+    assert (real.running, real.waiting, real.preempted) == (0, 0, 0), real

@@ -26,6 +26,7 @@ from genq.schema import JobSpec, error_record
 from worker import metrics
 from worker.bookkeeping import Bookkeeper, Taken
 from worker.commits import GroupCommit
+from worker.concurrency import Concurrency
 from worker.config import WorkerConfig
 from worker.gate import ServerGate
 from worker.probation import Probation
@@ -73,8 +74,10 @@ class Attempts:
         gate: ServerGate,
         in_flight: Callable[[], Iterable[Taken]],
         finish: Callable[[Taken], None],
+        concurrency: Concurrency,
     ) -> None:
         self.config = config
+        self.concurrency = concurrency  # told each answer's latency and each 429 (--concurrency auto)
         self.keys = keys
         self.books = books
         self.redis = redis  # Worker.redis: a call on the Redis thread, riding out Redis restarts
@@ -145,6 +148,8 @@ class Attempts:
             raise
         except AttemptError as exc:
             metrics.attempt(time.monotonic() - sent, exc)
+            if exc.status == 429:
+                self.concurrency.rate_limited()
             tries.last = exc
             if exc.kind == "timeout":
                 # In the background: an unreachable server would hold the job (and the gate's
@@ -177,6 +182,7 @@ class Attempts:
             )
             return RETRY
         metrics.attempt(time.monotonic() - sent, None)
+        self.concurrency.answered(time.monotonic() - sent, answer.completion_tokens)
         self.gate.served_one()
         tries.attempt = attempt
         return answer

@@ -17,7 +17,7 @@ from genq.metrics import metrics_options, serve
 from genq.redis_errors import fatal
 from genq.settings import option, redis_options
 from worker import metrics
-from worker.config import WorkerConfig
+from worker.config import AUTO, ConcurrencyParam, WorkerConfig
 from worker.daemon import Worker
 
 log = logging.getLogger("genq.worker")
@@ -41,7 +41,18 @@ log = logging.getLogger("genq.worker")
 @option(
     "--model", default=None, help="The model to ask for (OpenAI-style servers; default: the first listed)."
 )
-@option("--concurrency", type=click.IntRange(min=1), default=128, help="Jobs in flight in this process.")
+@option(
+    "--concurrency",
+    type=ConcurrencyParam(),
+    default=128,
+    help="Jobs in flight in this process; auto: steered by the server's load, up to --max-concurrency.",
+)
+@option(
+    "--max-concurrency",
+    type=click.IntRange(min=1),
+    default=1024,
+    help="With --concurrency auto: the most jobs in flight (the connection pool's size).",
+)
 @option(
     "--max-attempts",
     type=click.IntRange(min=1),
@@ -93,6 +104,7 @@ def worker_command(
     backend,
     model,
     concurrency,
+    max_concurrency,
     max_attempts,
     max_spared,
     max_crashes,
@@ -120,7 +132,8 @@ def worker_command(
         server=split_credentials(server)[0],  # the password goes to Http only: config.server is shown
         backend=backend,
         model=model,
-        concurrency=concurrency,
+        **({"auto": True} if concurrency == AUTO else {"concurrency": concurrency}),
+        max_concurrency=max_concurrency,
         max_attempts=max_attempts,
         max_spared=max_spared,
         max_crashes=max_crashes,
@@ -140,5 +153,5 @@ def worker_command(
 
 
 async def _run(conn, keys: Keys, config: WorkerConfig, server: str) -> None:
-    async with Http(server, config.concurrency) as http:
+    async with Http(server, config.ceiling) as http:
         await Worker(conn, keys, config, http).run()

@@ -4,6 +4,11 @@ environment, in one object the Worker, its server gate and its attempts all read
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import click
+
+AUTO = "auto"
 
 
 @dataclass
@@ -11,7 +16,9 @@ class WorkerConfig:
     server: str
     backend: str = "auto"  # an engine API of genq/backends, or auto: ask the server
     model: str | None = None  # the model to ask for, where the server serves several
-    concurrency: int = 128
+    concurrency: int = 128  # jobs in flight, fixed; the ceiling's default under auto is max_concurrency
+    auto: bool = False  # --concurrency auto: worker/concurrency.py steers it by the server's load
+    max_concurrency: int = 1024
     max_attempts: int = 5
     # Sends the server failed while it served no other job, spared per job (decision 7's bound).
     max_spared: int = 20
@@ -28,14 +35,39 @@ class WorkerConfig:
     down_after: int = 3
 
     @property
-    def prefetch(self) -> int:
-        """Jobs taken ahead of a free slot (started in RQ, waiting here) at least: takes come in
-        batches of about half this, and a job starts the moment a slot frees. More while jobs end
-        faster than a take comes back (Worker._prefetch)."""
-        return max(1, self.concurrency // 4)
+    def ceiling(self) -> int:
+        """The most jobs ever in flight: the connection pool's size."""
+        return self.max_concurrency if self.auto else self.concurrency
+
+    @staticmethod
+    def prefetch(target: int) -> int:
+        """Jobs taken ahead of a free slot (started in RQ, waiting here) at least, for an in-flight
+        ``target``: takes come in batches of about half this, and a job starts the moment a slot
+        frees. More while jobs end faster than a take comes back (Worker._prefetch)."""
+        return max(1, target // 4)
 
     def attempt_timeout(self, max_new_tokens: int) -> float:
         """Decision 8: long generations get long deadlines (8 tok/s floor per sequence + 120 s)."""
         if self.request_timeout is not None:
             return self.request_timeout
         return 120.0 + max_new_tokens / 8.0
+
+
+class ConcurrencyParam(click.ParamType):
+    """``--concurrency``: a number of jobs in flight, or ``auto``."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        elif str(value).strip().lower() == AUTO:
+            return AUTO
+        else:
+            try:
+                number = int(str(value))
+            except ValueError:
+                self.fail(f"{value!r} is neither a number nor 'auto'", param, ctx)
+        if number < 1:
+            self.fail(f"{number} is below 1", param, ctx)
+        return number

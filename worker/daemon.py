@@ -40,6 +40,7 @@ from worker.attempts import Attempts, Tries
 from worker.background import keep_running
 from worker.bookkeeping import Bookkeeper, Finished, Taken
 from worker.commits import GroupCommit
+from worker.concurrency import STEER_EVERY_S, Concurrency
 from worker.config import WorkerConfig
 from worker.gate import ServerGate
 from worker.record import build_record
@@ -79,6 +80,7 @@ class Worker:
         self._templates: dict[bytes, ChatTemplate] = {}  # chat templates of conversation datasets
         self._template_lock = asyncio.Lock()
         self.gate = ServerGate(config, http, self.books)
+        self.concurrency = Concurrency.of(config)  # how many jobs in flight
         self.attempts = Attempts(
             config,
             keys,
@@ -88,6 +90,7 @@ class Worker:
             self.gate,
             lambda: self._in_flight.values(),
             self._finish,
+            self.concurrency,
         )
 
     @property
@@ -145,14 +148,16 @@ class Worker:
             return  # stopped while waiting for the server
         await self.redis(self.books.start, {k: str(v) for k, v in info.summary().items() if v is not None})
         log.info(
-            "worker %s: serving %s (%s%s %s, model %s) with %d in flight at most",
+            "worker %s: serving %s (%s%s %s, model %s) with %s in flight at most",
             self.books.name,
             self.config.server,
             info.backend,
             " detected" if self.config.backend == "auto" else "",
             info.version or "?",
             info.model or "?",
-            self.config.concurrency,
+            f"{self.concurrency.target} to {self.config.ceiling}, steered by its load"
+            if self.config.auto
+            else self.config.concurrency,
             extra={**self.books.log_context(), "server": self.config.server},
         )
         for note in info.notes:
@@ -170,6 +175,8 @@ class Worker:
                 ("reports", self._reports),
             )
         ]
+        if self.config.auto:
+            self._background.append(asyncio.create_task(self._steer()))
         try:
             await self._take_loop()
             await self._drain()
@@ -192,10 +199,7 @@ class Worker:
             while not self._stopping.is_set():
                 prefetch = self._prefetch()
                 self._slot_freed.clear()
-                # Suspects waiting for their turn, and jobs handing their result over, hold no
-                # connection: they take no slot.
-                busy = len(self._in_flight) - self._finishing - self.attempts.waiting
-                free = self.config.concurrency - busy
+                free = self.concurrency.target - self._busy()
                 self._drop_stale_ready()
                 # While Redis refuses (or cannot be reached), no job starts: a finished one's
                 # result waits in memory for its commit, and those stay within the concurrency.
@@ -234,6 +238,28 @@ class Worker:
             if taking is not None:  # its jobs are started in RQ: _drain puts them back
                 self._ready.extend((await taking)[1])
 
+    def _busy(self) -> int:
+        """Jobs holding a slot: suspects waiting for their turn, and jobs handing their result
+        over, hold no connection."""
+        return len(self._in_flight) - self._finishing - self.attempts.waiting
+
+    async def _steer(self) -> None:
+        """--concurrency auto: move the target by the server's load once a second; a server that
+        cannot be reached now is left to the gate."""
+        while True:
+            await asyncio.sleep(STEER_EVERY_S)
+            if not self.gate.is_up():
+                continue
+            try:
+                load = await self.backend.load()
+            except AttemptError:
+                continue
+            if self.concurrency.steer(load, self._busy()):
+                self._slot_freed.set()
+            line = self.concurrency.log_line(time.monotonic())
+            if line is not None:
+                log.info("worker %s: %s", self.books.name, line, extra=self.books.log_context())
+
     async def _take(self, want: int) -> tuple[list[str], list[Taken]]:
         asked = time.monotonic()
         taken = await self.redis(self.books.take, want, self.config.stream_limit, on=self._take_thread)
@@ -252,7 +278,8 @@ class Worker:
         ended = self._ended
         rate = (len(ended) - 1) / (ended[-1] - ended[0]) if len(ended) > 1 and ended[-1] > ended[0] else 0.0
         wanted = math.ceil(2 * rate * max(self._take_s))
-        return max(self.config.prefetch, min(wanted, self.config.concurrency))
+        target = self.concurrency.target
+        return max(self.config.prefetch(target), min(wanted, target))
 
     def _drop_stale_ready(self) -> None:
         """Forget jobs taken ahead whose heartbeat could have lapsed (Redis unreachable for most
@@ -448,7 +475,11 @@ class Worker:
         """genq's own numbers (in flight, retrying) for status and monitor, every few seconds."""
         while True:
             await self.redis(
-                self.books.report, len(self._in_flight), dict(self.attempts.retrying), self.attempts.retries
+                self.books.report,
+                len(self._in_flight),
+                dict(self.attempts.retrying),
+                self.attempts.retries,
+                self.concurrency.target,
             )
             await asyncio.sleep(REPORT_EVERY_S)
 

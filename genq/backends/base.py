@@ -20,6 +20,7 @@ from urllib.parse import unquote, urlsplit
 import aiohttp
 import orjson
 
+from genq.backends.load import LOAD_TIMEOUT_S, Load
 from genq.logprobs import LogProbs
 from genq.schema import JobSpec
 from genq.settings import server_api_key
@@ -235,6 +236,7 @@ class Backend(ABC):
         self.http = http
         self.model = model  # the model to ask for, where a server serves several
         self.info: ServerInfo | None = None
+        self._absent: set[str] = set()  # load endpoints this server does not serve
 
     @abstractmethod
     async def probe(self) -> ServerInfo:
@@ -247,6 +249,22 @@ class Backend(ABC):
     async def abort(self, rid: str) -> None:  # noqa: B027 - most engines need nothing more
         """Stop the server's work on ``rid`` after giving up on it. Default: nothing beyond closing
         the connection, which the timeout already did (vLLM and llama.cpp abort on that)."""
+
+    async def load(self) -> Load | None:
+        """The server's load now, from its own signals (genq/backends/load.py); None where it
+        publishes none (hosted APIs). Cheap: --concurrency auto asks about once a second. Raises
+        AttemptError when the server cannot be reached."""
+        return None
+
+    async def load_endpoint(self, path: str) -> bytes | None:
+        """The body of a load endpoint, or None: not now (an error status), or never (404, 501:
+        not served by this server or its configuration, remembered so it is asked once)."""
+        if path in self._absent:
+            return None
+        status, raw, _ = await self.http.call("GET", path, timeout=LOAD_TIMEOUT_S)
+        if status in (404, 405, 501):
+            self._absent.add(path)
+        return raw if status == 200 else None
 
     async def healthy(self) -> bool:
         return await self.answers_health()

@@ -23,11 +23,18 @@ checked against the running server:
   only after a second without any result (``server-context.cpp`` HTTP_POLLING_SECONDS): genq
   always sends a bounded ``n_predict``.
 - ``--api-key``: everything but ``/health`` answers 401 without it.
+- Load (``--concurrency auto``): ``/slots`` (on unless ``--no-slots``; ``server-context.cpp``
+  get_slots, ``server_slot::to_json``) lists each slot with ``is_processing``: busy slots are the
+  running batch, the slot count its size; requests beyond it wait unseen. ``/metrics`` (only with
+  ``--metrics``; ``server-task.cpp`` to_metrics) adds ``llamacpp:requests_processing`` and
+  ``llamacpp:requests_deferred`` (the waiting ones). No KV usage, no preemption.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import orjson
 
 from genq.backends.base import (
     Answer,
@@ -40,6 +47,7 @@ from genq.backends.base import (
     from_status,
     parse_json,
 )
+from genq.backends.load import Load, count, prometheus
 from genq.schema import JobSpec
 
 PROBE_IDS = [1, 2, 3]
@@ -129,6 +137,35 @@ class LlamaCpp(Backend):
         if status != 200:
             raise from_status(status, raw, headers)
         return answer(parse_json(raw), spec)
+
+    async def load(self) -> Load | None:
+        """Busy slots from /slots, the deferred requests from /metrics when it is on."""
+        slots = await self.load_endpoint("/slots")
+        metrics = await self.load_endpoint("/metrics")
+        found = prometheus(metrics.decode("utf-8", "replace"), METRICS) if metrics is not None else {}
+        busy = from_slots(slots) if slots is not None else None
+        if busy is None and not found:
+            return None
+        return Load(
+            source="+".join(p for p, raw in (("/slots", slots), ("/metrics", metrics)) if raw is not None),
+            running=busy[0] if busy else count(found.get("llamacpp:requests_processing")),
+            waiting=count(found.get("llamacpp:requests_deferred")),
+            max_running=busy[1] if busy else None,
+        )
+
+
+METRICS = ("llamacpp:requests_processing", "llamacpp:requests_deferred")
+
+
+def from_slots(raw: bytes) -> tuple[int, int] | None:
+    """(busy slots, slots) from /slots' list of slots."""
+    try:
+        slots = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(slots, list) or not all(isinstance(s, dict) for s in slots):
+        return None
+    return sum(1 for s in slots if s.get("is_processing")), len(slots)
 
 
 def answer(data: Any, spec: JobSpec) -> Answer:

@@ -24,14 +24,25 @@ Facts from SGLang's own source (the wheels 0.4.6 to 0.5.23, paths under ``sglang
   ``--enable-deterministic-inference`` (shown as ``enable_deterministic_inference`` in
   /server_info), accepted and ignored otherwise.
 - No endpoint tells the vocabulary size; ``utils/auth.py`` exempts ``/health*`` from the API key.
+- Load (``--concurrency auto``): ``entrypoints/v1_loads.py`` GET ``/v1/loads`` answers
+  ``{"loads": [one dict per DP rank]}`` with ``num_running_reqs``, ``num_waiting_reqs``,
+  ``token_usage``, ``max_running_requests``, ``max_total_num_tokens``
+  (``managers/load_snapshot.py`` LoadSnapshot) but no cumulative retraction count; with
+  ``--enable-metrics``, ``/metrics`` (``observability/metrics_collector.py``) has
+  ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``,
+  ``sglang:max_total_num_tokens`` and the counter ``sglang:num_retracted_requests_total``
+  (incremented in ``managers/scheduler.py`` only when metrics are on).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 from typing import Any
+
+import orjson
 
 from genq import sampling
 from genq.backends import sglang_router
@@ -47,6 +58,7 @@ from genq.backends.base import (
     from_status,
     parse_json,
 )
+from genq.backends.load import Load, count, fraction, prometheus, total
 from genq.logprobs import LogProbs
 from genq.schema import JobSpec
 
@@ -204,6 +216,17 @@ class SGLang(Backend):
             raise classify(status, raw, headers)
         return answer(parse_json(raw))
 
+    async def load(self) -> Load | None:
+        """/v1/loads for the batch, /metrics (--enable-metrics) for retractions; either alone
+        where the other is not served."""
+        loads = await self.load_endpoint("/v1/loads?include=core")
+        metrics = await self.load_endpoint("/metrics")
+        counted = from_metrics(metrics.decode("utf-8", "replace")) if metrics is not None else None
+        batch = from_loads(loads) if loads is not None else None
+        if batch is None or counted is None:
+            return batch or counted
+        return dataclasses.replace(batch, source="/v1/loads+/metrics", preempted=counted.preempted)
+
     async def abort(self, rid: str) -> None:
         """``POST /abort_request``: the GPU stops working on a request genq gave up on. Behind the
         router, to every replica genq can reach (the router has no such route)."""
@@ -226,6 +249,48 @@ class SGLang(Backend):
             return await sglang_router.ready_replicas(self.http) > 0
         self.replicas = await sglang_router.replica_urls(self.http) or self.replicas
         return any(await asyncio.gather(*(self.answers_health(replica) for replica in self.replicas)))
+
+
+def from_loads(raw: bytes) -> Load | None:
+    """/v1/loads summed over DP ranks; the fullest rank's token_usage."""
+    try:
+        ranks = orjson.loads(raw).get("loads")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
+        return None
+    usages = [u for u in (fraction(r.get("token_usage")) for r in ranks) if u is not None]
+    return Load(
+        source="/v1/loads",
+        running=total(count(r.get("num_running_reqs")) for r in ranks),
+        waiting=total(count(r.get("num_waiting_reqs")) for r in ranks),
+        kv_usage=max(usages) if usages else None,
+        max_running=total(count(r.get("max_running_requests")) for r in ranks),
+        kv_tokens=total(count(r.get("max_total_num_tokens")) for r in ranks),
+    )
+
+
+METRICS = (
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:token_usage",
+    "sglang:max_total_num_tokens",
+    "sglang:num_retracted_requests_total",
+)
+
+
+def from_metrics(text: str) -> Load | None:
+    found = prometheus(text, METRICS)
+    if "sglang:num_running_reqs" not in found:
+        return None
+    return Load(
+        source="/metrics",
+        running=count(found.get("sglang:num_running_reqs")),
+        waiting=count(found.get("sglang:num_queue_reqs")),
+        kv_usage=fraction(found.get("sglang:token_usage")),
+        preempted=count(found.get("sglang:num_retracted_requests_total")),
+        kv_tokens=count(found.get("sglang:max_total_num_tokens")),
+    )
 
 
 def classify(status: int, raw: bytes, headers: Any) -> AttemptError:

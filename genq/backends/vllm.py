@@ -19,6 +19,11 @@ Facts from vLLM 0.33's source (paths under ``vllm/``):
 - Abort: closing the connection aborts the request (``serve/utils/api_utils.py``
   with_cancellation); there is no abort route by default.
 
+- Load (``--concurrency auto``): ``/metrics`` (always served; ``v1/metrics/loggers.py``) has
+  ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (a
+  fraction; ``vllm:gpu_cache_usage_perc`` before 0.10) and the counter
+  ``vllm:num_preemptions_total``, one sample per engine (DP rank). No batch-size gauge.
+
 SGLang's own ``/v1/completions`` (0.5.20 on, with ``return_token_ids``; ``matched_stop`` there)
 works through this backend too.
 """
@@ -29,6 +34,7 @@ from typing import Any
 
 from genq.backends import openai_compat as oai
 from genq.backends.base import Answer, AttemptError, Backend, Cost, ServerInfo, ServerRefused, parse_json
+from genq.backends.load import Load, count, fraction, prometheus
 from genq.logprobs import LogProbs
 from genq.schema import JobSpec
 
@@ -96,6 +102,35 @@ class VLLM(Backend):
 
     async def generate(self, spec: JobSpec, rid: str, timeout: float) -> Answer:
         return answer(await oai.post(self.http, "/v1/completions", self.body(spec), rid, timeout), spec)
+
+    async def load(self) -> Load | None:
+        raw = await self.load_endpoint("/metrics")
+        return from_metrics(raw.decode("utf-8", "replace")) if raw is not None else None
+
+
+METRICS = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:num_preemptions_total",
+)
+
+
+def from_metrics(text: str) -> Load | None:
+    """/metrics summed over engines; KV usage averaged over them."""
+    found = prometheus(text, METRICS)
+    if "vllm:num_requests_running" not in found:
+        return None
+    engines = max(1, text.count("vllm:num_requests_running{"))
+    usage = found.get("vllm:kv_cache_usage_perc", found.get("vllm:gpu_cache_usage_perc"))
+    return Load(
+        source="/metrics",
+        running=count(found.get("vllm:num_requests_running")),
+        waiting=count(found.get("vllm:num_requests_waiting")),
+        kv_usage=fraction(usage / engines) if usage is not None else None,
+        preempted=count(found.get("vllm:num_preemptions_total")),
+    )
 
 
 def answer(data: Any, spec: JobSpec) -> Answer:

@@ -119,7 +119,7 @@ def workers_table(data: dict[str, Any]) -> RenderableType:
         table.add_row(
             f"{w['host']}:{w['pid']}",
             (w["server"] or "?").split("://")[-1],
-            count(w["in_flight"]),
+            count(w["in_flight"]) + (f"/{w['target']}" if w.get("target") is not None else ""),
             count(w["retrying"]),
             count(w["done"]),
             count(w["failed"]),

@@ -31,6 +31,7 @@ from genq.reaper import requeue_orphans
 from genq.redis_errors import Outage, patiently
 from genq.settings import option, redis_options
 from producer.cli import enqueue_command  # `genq run` is the roles together, as the genq CLI is
+from worker.config import ConcurrencyParam
 
 
 class Interrupted(Exception):
@@ -94,7 +95,12 @@ def enqueue_argv(ctx: click.Context) -> list[str]:
     help="Latency model of the simulator.",
 )
 @option("--workers", type=click.IntRange(min=1), default=2, help="Worker processes.")
-@option("--concurrency", type=click.IntRange(min=1), default=128, help="Jobs in flight per worker.")
+@option(
+    "--concurrency",
+    type=ConcurrencyParam(),
+    default=128,
+    help="Jobs in flight per worker; auto: each steers by the server's load (worker --max-concurrency).",
+)
 @option(
     "--dataset", default=None, help="One dataset name for all FILES (default: one dataset per file stem)."
 )

@@ -19,7 +19,7 @@ from genq.redis_errors import not_now, refusing_writes
 
 def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
     """Workers alive: RQ's fields (host, pid, jobs done and failed, heartbeat) and genq's (server,
-    in flight, retrying, failed attempts), the latter None until the worker's first report."""
+    in flight and its target, retrying, failed attempts), the latter None until the worker's first report."""
     names = worker_names(conn, keys)
     with conn.pipeline(transaction=False) as pipe:
         for name in names:
@@ -44,6 +44,7 @@ def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
                 "state": h.get("state"),
                 "in_flight": num("genq_in_flight"),
                 "retrying": num("genq_retrying"),
+                "target": num("genq_target"),
                 "done": num("successful_job_count") or 0,
                 "failed": num("failed_job_count") or 0,
                 "retries": num("genq_retries"),

@@ -1,0 +1,173 @@
+"""``--concurrency auto``: how many jobs this worker keeps in flight, steered by the server's load.
+
+Too few and the server's batch is not full; too many and it over-admits, then retracts (SGLang)
+or preempts (vLLM) and recomputes, and every job waits longer. Errors come too late to steer by
+(vLLM absorbs hundreds of requests without a 429), so :class:`Concurrency` reads the server's own
+load (``Backend.load()``, about once a second) and moves one target between a floor and the
+ceiling (``--max-concurrency``), AIMD-style so that several workers on one server converge
+without oscillating:
+
+- shrink ×0.7 on new retractions/preemptions, ×0.85 on a long waiting queue or a growing one;
+- hold while a small queue keeps the batch fed, the KV cache is nearly full, every slot is busy,
+  or this worker is not using its target (no jobs, draining);
+- grow otherwise: ×1.25 while the KV cache is under half full (and no shrink for CAREFUL
+  steers), else by 1/16.
+
+Where the server says nothing of its load (hosted APIs), the per-token latency of the answers
+against its minimum steers instead, and each 429 is a shrink. With ``--concurrency N`` the
+target is N and never moves.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from genq.backends.load import Load
+from worker.config import WorkerConfig
+
+STEER_EVERY_S = 1.0
+FLOOR = 8  # never fewer in flight under auto (bounded by the ceiling)
+START = 32
+LOG_EVERY_S = 10.0
+KV_TARGET = 0.90  # grow while the KV cache is less full than this
+KV_EASY = 0.50  # far below: grow fast
+SHRINK_PREEMPTED = 0.7
+SHRINK_QUEUE = 0.85
+GROW_FAST = 1.25
+USING = 0.8  # a target is in use when this share of it is in flight
+# The latency gradient (minimum per-token latency / recent): below SLOW shrink, above FAST grow.
+SLOW, FAST = 0.5, 0.8
+MIN_DRIFT = 1.01  # the minimum creeps up each steer, so a change of model or server is learned
+# Steers after a shrink that shrink no further: jobs already in flight must end before it shows.
+SETTLE = 3
+# Steers after a shrink that grow only gently (TCP's congestion avoidance after slow start).
+CAREFUL = 10
+
+
+@dataclass
+class Concurrency:
+    """Owns the in-flight target; the Worker starts jobs up to ``target``."""
+
+    target: int
+    floor: int
+    ceiling: int
+    auto: bool = False
+    reason: str = "fixed"  # why it last moved
+    _why: dict[bool, str] = field(default_factory=dict)  # why it last went up (True) and down (False)
+    _preempted: int | None = None
+    _waiting: int = 0
+    _samples: list[float] = field(default_factory=list)  # seconds per output token, since the last steer
+    _min_per_token: float | None = None
+    _rate_limited: int = 0
+    _logged: tuple[float, int] | None = None  # (when, target) of the last log line
+    _settling: int = 0
+    _since_shrink: int = CAREFUL
+
+    @classmethod
+    def of(cls, config: WorkerConfig) -> Concurrency:
+        """--concurrency N: N, never moved; auto: from START, between FLOOR and the ceiling."""
+        if not config.auto:
+            return cls(config.concurrency, config.concurrency, config.concurrency)
+        floor = min(FLOOR, config.ceiling)
+        return cls(max(floor, min(START, config.ceiling)), floor, config.ceiling, auto=True, reason="start")
+
+    # -- what the Worker tells it -----------------------------------------------------------
+
+    def answered(self, seconds: float, output_tokens: int) -> None:
+        """A send came back with an answer: a latency sample for servers without a load signal."""
+        if self.auto:  # cleared at each steer; a fixed target is never steered
+            self._samples.append(seconds / max(1, output_tokens))
+
+    def rate_limited(self) -> None:
+        self._rate_limited += 1
+
+    # -- steering ---------------------------------------------------------------------------
+
+    def steer(self, load: Load | None, busy: int) -> bool:
+        """One step from the server's load (None: it publishes none) and the jobs in flight;
+        True if the target moved."""
+        if not self.auto:
+            return False
+        new, reason = self._from_load(load, busy) if load is not None else self._from_latency(busy)
+        self._samples.clear()
+        self._rate_limited = 0
+        new = max(self.floor, min(self.ceiling, new))
+        if new < self.target and self._settling:
+            new = self.target
+        shrunk = new < self.target
+        self._settling = SETTLE if shrunk else max(0, self._settling - 1)
+        self._since_shrink = 0 if shrunk else self._since_shrink + 1
+        if new == self.target:
+            return False
+        self._why[new > self.target] = reason
+        self.target, self.reason = new, reason
+        return True
+
+    def _times(self, factor: float) -> int:
+        if factor < 1:
+            return int(self.target * factor)
+        if self._since_shrink < CAREFUL:
+            return self._gently()
+        return max(self.target + 1, int(self.target * factor))
+
+    def _gently(self) -> int:
+        return self.target + max(1, self.target // 16)
+
+    def _from_load(self, load: Load, busy: int) -> tuple[int, str]:
+        """The next target from the server's load."""
+        new_preempted = 0
+        if load.preempted is not None:
+            if self._preempted is not None and load.preempted >= self._preempted:
+                new_preempted = load.preempted - self._preempted
+            self._preempted = load.preempted
+        waiting, running = load.waiting, load.running or 0
+        growing = waiting is not None and waiting > self._waiting
+        self._waiting = waiting or 0
+        small = max(2, running // 16)  # enough to fill the slots that free between two steps
+        if new_preempted:
+            return self._times(SHRINK_PREEMPTED), f"{new_preempted} requests retracted or preempted"
+        if waiting is not None and waiting > max(8, running // 4):
+            return self._times(SHRINK_QUEUE), f"{waiting} requests waiting"
+        if waiting is not None and waiting > small and growing:
+            return self._times(SHRINK_QUEUE), f"waiting queue growing ({waiting})"
+        if waiting is not None and waiting > small:
+            return self.target, f"{waiting} requests waiting"
+        if load.kv_usage is not None and load.kv_usage >= KV_TARGET:
+            return self.target, f"KV cache {load.kv_usage:.0%} full"
+        if waiting is None and load.max_running and running >= load.max_running:
+            return self.target, f"all {load.max_running} slots busy"
+        if busy < USING * self.target:
+            return self.target, f"{busy} in flight, under the target"
+        if load.kv_usage is not None and load.kv_usage >= KV_EASY:
+            return self._gently(), f"KV cache {load.kv_usage:.0%} full, nothing waiting"
+        usage = f"KV cache {load.kv_usage:.0%} full" if load.kv_usage is not None else "capacity free"
+        return self._times(GROW_FAST), f"{usage}, nothing waiting"
+
+    def _from_latency(self, busy: int) -> tuple[int, str]:
+        """The next target from the answers' per-token latency and 429s (no load signal)."""
+        if self._rate_limited:
+            return self._times(SHRINK_PREEMPTED), f"{self._rate_limited} answers 429 (rate limited)"
+        if not self._samples:
+            return self.target, "no answers to time"
+        recent = statistics.median(self._samples)
+        floor = self._min_per_token
+        self._min_per_token = recent if floor is None else min(recent, floor * MIN_DRIFT)
+        gradient = self._min_per_token / recent if recent > 0 else 1.0
+        if gradient < SLOW:
+            return self._times(SHRINK_QUEUE), f"per-token latency {1 / gradient:.1f}× its minimum"
+        if gradient > FAST and busy >= USING * self.target:
+            return self._gently(), f"per-token latency {1 / gradient:.2f}× its minimum"
+        return self.target, f"per-token latency {1 / gradient:.2f}× its minimum"
+
+    def log_line(self, now: float) -> str | None:
+        """What to log about the target: at most one line every LOG_EVERY_S, only if it moved, with
+        the last reason it moved that way."""
+        if self._logged is None:
+            self._logged = (now, self.target)
+            return None
+        when, logged = self._logged
+        if self.target == logged or now - when < LOG_EVERY_S:
+            return None
+        self._logged = (now, self.target)
+        return f"concurrency {logged} -> {self.target} ({self._why[self.target > logged]})"
