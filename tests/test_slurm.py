@@ -6,8 +6,11 @@ one-minute --time reaches its limit; every prompt still ends on disk exactly onc
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shlex
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -19,15 +22,17 @@ import pytest
 from tests.helpers import (
     assert_verified,
     check_records,
+    log_of,
+    need,
     read_jsonl,
     sim_stats,
+    started_jobs,
     status_json,
+    stop,
     wait_until,
     write_prompts,
 )
 from tests.slurm_cluster import SlurmCluster, slurm_cluster
-
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 N = 2000
 CONCURRENCY = 8
@@ -74,6 +79,67 @@ class Generations:
         return sum(self.seen.values())
 
 
+def test_submit_renders_scripts_that_shellcheck_clean_and_hold_no_secret(procs, tmp_path):
+    shellcheck = need("shellcheck")
+    res = procs.run(
+        "slurm", "submit", "--servers", "3", "--gpus-per-server", "2", "--server-cmd", _server_cmd(),
+        "--out", tmp_path / "out", "--time", "2:00:00", "--grace", "90", "--sbatch-arg=--account=x y",
+        "--dry-run", "--", "--concurrency", "64",
+        env={"GENQ_REDIS_URL": "redis://:hunter2@10.0.0.2:6379"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    node, collector = ("#!" + part for part in res.stdout.split("#!")[1:])
+    for script in (node, collector):
+        done = subprocess.run([shellcheck, "-s", "bash", "-"], input=script, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout
+        assert "hunter2" not in script and "--export=ALL" in script
+    assert "#SBATCH --array=0-2" in node and "#SBATCH --gres=gpu:2" in node
+    assert "#SBATCH --signal=B:TERM@150" in node  # the grace + the 60 s margin
+    assert "#SBATCH '--account=x y'" in node and "#SBATCH --time=2:00:00" in node
+    exec_line = node.strip().splitlines()[-1]
+    assert exec_line.startswith("exec ") and "--concurrency 64" in exec_line and "--grace=90" in exec_line
+    assert collector.strip().splitlines()[-1].endswith(f"collect --burst --out {tmp_path / 'out'}")
+
+
+def test_node_job_outside_slurm_stops_its_worker_when_the_server_dies_and_drains_on_sigterm(
+    procs, conn, namespace, tmp_path
+):
+    data = tmp_path / "d.jsonl"
+    write_prompts(data, 200)
+    assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
+
+    def node() -> subprocess.Popen:
+        return procs.start(
+            "slurm", "node", "--server-cmd", _server_cmd(), "--logs", tmp_path, "--", "--concurrency", "4",
+            "--grace", "5",
+        )  # fmt: skip
+
+    def in_flight() -> int:
+        return status_json(procs)["datasets"]["d"]["in_flight"]
+
+    # The server dies under the worker: the worker drains (its jobs wait for the server through the
+    # grace, then go back to the queue), exit 1.
+    proc = node()
+    pid = int(wait_until(lambda: re.search(r"\(pid (\d+)", log_of(proc)), 60, "the server started").group(1))
+    wait_until(lambda: in_flight() > 0, 60, "jobs in flight")
+    os.killpg(pid, signal.SIGKILL)
+    assert proc.wait(60) == 1, log_of(proc)
+    assert "the server exited" in log_of(proc) and "grace over, put 4 jobs back" in log_of(proc)
+    assert not started_jobs(conn, namespace, "d"), "its jobs are back in the queue"
+
+    # SIGTERM (the warning): the worker drains, then the server is stopped; exit 0.
+    proc = node()
+    pid = int(wait_until(lambda: re.search(r"\(pid (\d+)", log_of(proc)), 60, "the server started").group(1))
+    wait_until(lambda: in_flight() > 0, 60, "jobs in flight")
+    assert stop(proc) == 0, log_of(proc)
+    assert "server stopped" in log_of(proc)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+    assert "grace over" not in log_of(proc), "the jobs in flight finished within the grace"
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
 def test_a_genq_run_on_slurm_survives_drains_cancels_requeues_and_time_limits(
     cluster: SlurmCluster, procs, namespace, tmp_path, out, report
 ):
@@ -120,6 +186,10 @@ def test_a_genq_run_on_slurm_survives_drains_cancels_requeues_and_time_limits(
     wait_until(lambda: all(map(serving, tasks)), 120, "four node jobs serving", interval=0.5)
     first = {job: worker_of(job)["name"] for job in tasks}
     assert running(collector)
+    shown = procs.run("slurm", "status", "--name", "gen", env={"COLUMNS": "200"})
+    assert shown.returncode == 0, shown.stderr
+    for job in tasks:  # each Slurm job beside the genq worker it runs
+        assert re.search(rf"{job} .*RUNNING.*{re.escape(first[job])}", shown.stdout), shown.stdout
     nodes = {cluster.job(t)["NodeList"] for t in tasks}
     assert nodes == {"gpu1", "gpu2"}, nodes  # two servers per node, side by side
 

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -236,6 +237,7 @@ def node_command(
     job = slurm_job() or f"local-{os.getpid()}"
     signal.signal(signal.SIGTERM, _interrupt)
     server: subprocess.Popen | None = None
+    worker_done = threading.Event()
     code = 0
     try:
         if server_cmd is not None:
@@ -245,6 +247,8 @@ def node_command(
             _echo(f"server starting at {server_url} (pid {server.pid}, log {logs}/server-{job}.log)")
             _wait_healthy(server, server_url, health_timeout)
             _echo(f"server ready at {server_url}")
+            watch = threading.Thread(target=_watch, args=(server, worker_done), daemon=True)
+            watch.start()
         code = _run_worker([*worker_args, "--server", server_url])
         _echo(f"worker exited {code}")
     except Interrupted:
@@ -252,7 +256,10 @@ def node_command(
     finally:
         # Stopping the server is bounded (SERVER_STOP_S); a signal meanwhile must not cut it short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        worker_done.set()
         if server is not None:
+            if server.poll() is not None and code == 0:
+                code = 1  # the server died under the worker: say so to Slurm, do not requeue
             _stop_server(server)
     if requeue and code == 0 and slurm_job() and _work_left(redis_url, namespace) and _still_running():
         # The worker drained on a signal while work is left, and Slurm did not cancel the job:
@@ -301,21 +308,46 @@ def _wait_healthy(server: subprocess.Popen, url: str, timeout: float) -> None:
         except (urllib.error.URLError, OSError):
             pass
         if time.monotonic() > deadline:
-            _stop_server(server)
             raise click.ClickException(f"the server at {url} did not answer /health within {timeout:g} s")
         time.sleep(1)
 
 
+def _watch(server: subprocess.Popen, worker_done: threading.Event) -> None:
+    """A server that exits while its worker runs ends the worker (its drain: SIGTERM to this
+    process), rather than leave the worker waiting for /health until the job's time limit. Not when
+    Slurm is ending the job (scancel, requeue, preemption): it signalled every process, the worker
+    too, and a second SIGTERM would cut the worker's drain short."""
+    while not worker_done.wait(1):
+        if server.poll() is not None:
+            if slurm_job() and not _still_running():
+                return
+            _echo(f"the server exited {server.returncode} under the worker: stopping the worker")
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
 def _stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's whole process group (the shell and what it started), SIGKILL to
+    what is left after SERVER_STOP_S."""
     for sig, wait in ((signal.SIGTERM, SERVER_STOP_S), (signal.SIGKILL, 10)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, sig)
-        try:
-            server.wait(wait)
+        if _group_gone(server, wait):
             break
-        except subprocess.TimeoutExpired:
-            continue
     _echo(f"server stopped ({server.returncode})")
+
+
+def _group_gone(server: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        server.poll()  # reaps the shell; the group lives on while any process of it does
+        try:
+            os.killpg(server.pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
 
 
 def _run_worker(args: list[str]) -> int:
