@@ -164,9 +164,6 @@ def test_a_genq_run_on_slurm_survives_drains_cancels_requeues_and_time_limits(
     def running(job: str) -> bool:
         return state(job) == "RUNNING"
 
-    def done() -> int:
-        return status_json(procs)["datasets"]["big"]["done"]
-
     def worker_of(job: str) -> dict | None:
         return next((w for w in status_json(procs)["workers"] if w["slurm_job"] == job), None)
 
@@ -179,6 +176,15 @@ def test_a_genq_run_on_slurm_survives_drains_cancels_requeues_and_time_limits(
         wait_until(lambda: state(job) == "PENDING", 60, f"{job} pending again", interval=0.3)
         cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
         wait_until(lambda: running(job), 60, f"{job} running again", interval=0.3)
+
+    def new_worker(job: str) -> str:
+        """The worker a requeued job runs when it is back (a new one: the old drained and left)."""
+
+        def named() -> str | None:
+            w = worker_of(job)
+            return w["name"] if w and w["name"] != first[job] else None
+
+        return wait_until(named, 60, f"{job}'s worker back", interval=0.5)
 
     gens = Generations(logs)
     array, collector = submit("--name", "gen", "--servers", "4", "--out", str(out))
@@ -200,27 +206,35 @@ def test_a_genq_run_on_slurm_survives_drains_cancels_requeues_and_time_limits(
     wait_until(lambda: not running(tasks[0]), GRACE + 45, "the warned job to drain", interval=0.2)
     report(f"slurm: warned node job drained and left RUNNING in {time.monotonic() - warned:.1f} s")
     start_now(tasks[0])
+    back = [new_worker(tasks[0])]
 
     # 2. scancel outright: SIGTERM to every process of the job (worker and server), SIGKILL after
     # KillWait. The job is CANCELLED and does not come back; its jobs go back to the queue.
+    killed = [worker_of(tasks[1])["in_flight"]]  # what the kill may waste: its server dies with them
     cluster.run("scancel", tasks[1])
     wait_until(lambda: state(tasks[1]) == "CANCELLED", 60, "the scancelled job gone", interval=0.3)
 
     # 3. Requeued by an operator (or a preemption with PreemptMode=REQUEUE): back, takes jobs again.
+    killed.append(worker_of(tasks[2])["in_flight"])
     cluster.run("scontrol", "requeue", tasks[2])
     start_now(tasks[2])
+    back.append(new_worker(tasks[2]))
 
     # 4. A job with a one-minute limit on the GPU the scancel freed: its warning comes 40 s before the
-    # limit (give or take Slurm's 30 s check), it drains and requeues itself before Slurm kills it.
+    # limit (up to 30 s earlier: Slurm checks every 30 s), it drains and requeues itself before the limit.
     (short_array,) = submit(
         "--name", "short", "--servers", "1", "--time", "1", "--signal-margin", "25", "--no-collector"
     )
     short = f"{short_array}_0"
-    wait_until(lambda: serving(short), 90, "the short job serving", interval=0.5)
+    wait_until(lambda: running(short), 60, "the short job started", interval=0.3)
     began = time.monotonic()
-    wait_until(lambda: not running(short), 90, "the short job's time-limit warning", interval=0.5)
+    wait_until(lambda: not running(short), 120, "the short job's time-limit warning", interval=0.5)
+    # Its worker drains, normally; on a slow machine the warning may come while its server still
+    # starts: then it stops the server and requeues itself all the same.
+    served = "worker exited" in (logs / f"node-{short}.log").read_text()
     report(
-        f"slurm: the 1-minute job drained on its warning and left RUNNING {time.monotonic() - began:.0f} s in"
+        f"slurm: the 1-minute job (worker ran: {served}) left RUNNING "
+        f"{time.monotonic() - began:.0f} s after it started"
     )
     assert state(short) != "TIMEOUT", "it drained before its limit"
     start_now(short)
@@ -246,12 +260,13 @@ def test_a_genq_run_on_slurm_survives_drains_cancels_requeues_and_time_limits(
         r"draining \d+ in flight.*|grace over.*|put \d+ jobs.*", (logs / f"node-{tasks[0]}.log").read_text()
     )
     report(f"slurm: the warned job's worker: {drains}")
+    assert drains and not any(d.startswith("grace over") for d in drains), "in-flight jobs finished"
     by_worker = {r["worker"] for r in records}
-    assert first[tasks[0]] in by_worker and first[tasks[3]] in by_worker
+    assert {first[tasks[0]], first[tasks[3]], *back} <= by_worker, "the requeued jobs took jobs again"
     # Waste: generations paid for beyond one per prompt. Drains waste nothing (the grace covers a
-    # generation); the scancel and the requeue kill a server with up to CONCURRENCY in flight. The
-    # servers' counts were polled, so the kills' last moments may be missing: a lower bound of the
-    # generations, checked against the bound of what the kills may have wasted.
-    report(f"slurm: {total_generations} generations seen for {N} prompts")
-    assert total_generations <= N + 2 * CONCURRENCY, total_generations
+    # generation); the scancel and the requeue kill a server with the jobs in flight there: at most
+    # CONCURRENCY each (the workers' last reports before the kills say how many, for the record).
+    # The servers' counts were polled, so a kill's last moments may be missing: a lower bound.
+    report(f"slurm: {total_generations} generations seen for {N} prompts; in flight at the kills {killed}")
+    assert total_generations <= N + len(killed) * CONCURRENCY, (total_generations, killed)
     assert not cluster.job_processes(), "a process of a job outlived it"

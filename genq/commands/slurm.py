@@ -38,8 +38,9 @@ from genq.keys import Keys
 from genq.progress import dataset_counts, finished
 from genq.settings import option, redis_options
 
-# slurmctld checks time limits about every 30 s (its PERIODIC_TIMEOUT), so a --signal=@N warning
-# can come up to 30 s after N; the default margin covers that and the server's stop.
+# slurmctld checks time limits about every 30 s and sends a --signal=@N warning up to that much
+# early rather than late (measured: 40-51 s before the limit for N=40), so the margin beyond the
+# grace is for the server's stop and the requeue, with room to spare.
 SIGNAL_MARGIN_S = 60
 SERVER_STOP_S = 30  # SIGTERM to the server's process group, then SIGKILL
 
@@ -80,7 +81,7 @@ def slurm_command() -> None:
     "--signal-margin",
     type=click.IntRange(min=0),
     default=SIGNAL_MARGIN_S,
-    help="Seconds beyond --grace that the warning comes before the time limit (Slurm checks ~30 s).",
+    help="Seconds beyond --grace that the warning comes before the time limit (the server's stop).",
 )
 @option(
     "--requeue/--no-requeue",
@@ -195,15 +196,18 @@ def _lines(sbatch_args: list[str]) -> str:
 
 def _sbatch(script: str) -> str:
     """Submit on stdin; sbatch --parsable prints ``JOBID`` (``JOBID;CLUSTER`` on a federation)."""
+    return _slurm(["sbatch", "--parsable"], script).strip().split(";")[0]
+
+
+def _slurm(argv: list[str], stdin: str | None = None) -> str:
+    """A Slurm client command's output; its failure as one line."""
     try:
-        done = subprocess.run(
-            ["sbatch", "--parsable"], input=script, capture_output=True, text=True, timeout=60
-        )
+        done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=60)
     except FileNotFoundError as exc:
-        raise click.ClickException("sbatch not found: run this where Slurm's client commands are") from exc
+        raise click.ClickException(f"{argv[0]} not found: run this where Slurm's commands are") from exc
     if done.returncode != 0:
-        raise click.ClickException(f"sbatch failed: {done.stderr.strip()}")
-    return done.stdout.strip().split(";")[0]
+        raise click.ClickException(f"{argv[0]} failed: {_last_line(done.stderr)}")
+    return done.stdout
 
 
 @slurm_command.command("node", context_settings={"ignore_unknown_options": True})
@@ -267,8 +271,14 @@ def node_command(
         done = subprocess.run(
             ["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], capture_output=True, text=True
         )
-        _echo("requeued" if done.returncode == 0 else f"requeue failed: {done.stderr.strip()}")
+        _echo("requeued" if done.returncode == 0 else f"requeue failed: {_last_line(done.stderr)}")
     sys.exit(code)
+
+
+def _last_line(stderr: str) -> str:
+    """Slurm's commands explain a failure over several lines; the last one says what went wrong."""
+    lines = stderr.strip().splitlines()
+    return lines[-1] if lines else "no message"
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -385,13 +395,7 @@ def _still_running() -> bool:
 def status_command(name: str, redis_url: str, namespace: str) -> None:
     """The run's Slurm jobs (squeue) beside the genq worker each one runs."""
     fmt = "%i|%j|%T|%M|%L|%R"
-    done = subprocess.run(
-        ["squeue", "-h", "--array", f"--name={name},{name}-collect", "-o", fmt],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        raise click.ClickException(f"squeue failed: {done.stderr.strip()}")
+    listed = _slurm(["squeue", "-h", "--array", f"--name={name},{name}-collect", "-o", fmt])
     try:
         alive = workers(connect(redis_url), Keys(namespace), time.time())
     except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -400,7 +404,7 @@ def status_command(name: str, redis_url: str, namespace: str) -> None:
     table = Table(title=f"Slurm jobs of {name!r}, genq namespace {namespace!r}")
     for col in ("job", "name", "state", "time", "left", "node", "worker", "flight", "done"):
         table.add_column(col)
-    for line in done.stdout.splitlines():
+    for line in listed.splitlines():
         job_id, job_name, state, used, left, where = line.split("|")
         w = by_job.pop(job_id, None)
         flight, ok = (str(w["in_flight"]), str(w["done"])) if w else ("", "")
