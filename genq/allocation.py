@@ -8,7 +8,9 @@ import os
 
 def slurm_job() -> str | None:
     """``JOBID_TASK`` for a task of a job array (as squeue and scancel spell it), ``JOBID`` for a
-    plain job, None outside Slurm. Slurm sets these variables in every batch job's environment."""
+    plain job, None outside Slurm. Slurm sets these variables in every batch job's environment.
+    A task's own SLURM_JOB_ID will not do for scontrol: the first task's is the array's id, and
+    ``scontrol requeue`` of that id requeues every task of the array."""
     env = os.environ
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
         return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"

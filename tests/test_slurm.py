@@ -206,6 +206,9 @@ def test_a_genq_run_on_slurm_survives_drains_cancels_requeues_and_time_limits(
     wait_until(lambda: not running(tasks[0]), GRACE + 45, "the warned job to drain", interval=0.2)
     report(f"slurm: warned node job drained and left RUNNING in {time.monotonic() - warned:.1f} s")
     start_now(tasks[0])
+    # Only this task came back (the first task's own job id is the array's: requeueing that id
+    # would have requeued every task).
+    assert [cluster.job(t).get("Restarts") for t in tasks] == ["1", "0", "0", "0"]
     back = [new_worker(tasks[0])]
 
     # 2. scancel outright: SIGTERM to every process of the job (worker and server), SIGKILL after
@@ -221,7 +224,7 @@ def test_a_genq_run_on_slurm_survives_drains_cancels_requeues_and_time_limits(
     back.append(new_worker(tasks[2]))
 
     # 4. A job with a one-minute limit on the GPU the scancel freed: its warning comes 40 s before the
-    # limit (up to 30 s earlier: Slurm checks every 30 s), it drains and requeues itself before the limit.
+    # limit (give or take Slurm's 30 s check), it drains and requeues itself before the limit.
     (short_array,) = submit(
         "--name", "short", "--servers", "1", "--time", "1", "--signal-margin", "25", "--no-collector"
     )

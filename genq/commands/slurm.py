@@ -38,9 +38,9 @@ from genq.keys import Keys
 from genq.progress import dataset_counts, finished
 from genq.settings import option, redis_options
 
-# slurmctld checks time limits about every 30 s and sends a --signal=@N warning up to that much
-# early rather than late (measured: 40-51 s before the limit for N=40), so the margin beyond the
-# grace is for the server's stop and the requeue, with room to spare.
+# slurmctld checks time limits about every 30 s, so a --signal=@N warning comes within about 30 s of
+# N (measured: 31-51 s before the limit for N=40); the margin beyond the grace covers a late one
+# and the server's stop (SERVER_STOP_S).
 SIGNAL_MARGIN_S = 60
 SERVER_STOP_S = 30  # SIGTERM to the server's process group, then SIGKILL
 
@@ -81,7 +81,7 @@ def slurm_command() -> None:
     "--signal-margin",
     type=click.IntRange(min=0),
     default=SIGNAL_MARGIN_S,
-    help="Seconds beyond --grace that the warning comes before the time limit (the server's stop).",
+    help="Seconds beyond --grace that the warning comes before the time limit (Slurm checks ~30 s).",
 )
 @option(
     "--requeue/--no-requeue",
@@ -151,11 +151,17 @@ def submit_command(
         "node.sbatch",
         name=name,
         last_task=servers - 1,
-        gpus=gpus_per_server,
         logs=logs,
         warn_s=int(grace) + signal_margin,
         requeue="--requeue" if requeue else "--no-requeue",
-        sbatch_lines=_lines([*common, *([f"--time={time_limit}"] if time_limit else []), *sbatch_args]),
+        sbatch_lines=_lines(
+            [
+                *([f"--gres=gpu:{gpus_per_server}"] if gpus_per_server else []),
+                *common,
+                *([f"--time={time_limit}"] if time_limit else []),
+                *sbatch_args,
+            ]
+        ),
         genq=genq,
         node_args=shlex.join(node_args),
     )
@@ -265,12 +271,10 @@ def node_command(
             if server.poll() is not None and code == 0:
                 code = 1  # the server died under the worker: say so to Slurm, do not requeue
             _stop_server(server)
-    if requeue and code == 0 and slurm_job() and _work_left(redis_url, namespace) and _still_running():
+    if requeue and code == 0 and slurm_job() and _work_left(redis_url, namespace) and _still_running(job):
         # The worker drained on a signal while work is left, and Slurm did not cancel the job:
         # the time-limit warning (or `scancel --batch --signal=TERM`). Come back later.
-        done = subprocess.run(
-            ["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], capture_output=True, text=True
-        )
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
         _echo("requeued" if done.returncode == 0 else f"requeue failed: {_last_line(done.stderr)}")
     sys.exit(code)
 
@@ -329,7 +333,7 @@ def _watch(server: subprocess.Popen, worker_done: threading.Event) -> None:
     too, and a second SIGTERM would cut the worker's drain short."""
     while not worker_done.wait(1):
         if server.poll() is not None:
-            if slurm_job() and not _still_running():
+            if slurm_job() and not _still_running(slurm_job()):
                 return
             _echo(f"the server exited {server.returncode} under the worker: stopping the worker")
             os.kill(os.getpid(), signal.SIGTERM)
@@ -381,11 +385,9 @@ def _work_left(redis_url: str, namespace: str) -> bool:
         return True  # Redis down: come back and wait for it rather than drop the node
 
 
-def _still_running() -> bool:
+def _still_running(job: str) -> bool:
     """Whether Slurm still runs this job: a scancel (outright) or a requeue has set another state."""
-    out = subprocess.run(
-        ["scontrol", "-o", "show", "job", os.environ["SLURM_JOB_ID"]], capture_output=True, text=True
-    ).stdout
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
     return "JobState=RUNNING" in out.split()
 
 
