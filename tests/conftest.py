@@ -20,7 +20,7 @@ from tests.helpers import Procs
 pytest_plugins = ["tests.llama", "tests.engines"]  # the real engines: llama.cpp, SGLang, vLLM
 
 # Tiers that are slow by nature: `pytest -m "not slow"` leaves them out with the other slow tests.
-SLOW_TIERS = ("real_engine", "chaos", "containers", "multihost")
+SLOW_TIERS = ("real_engine", "chaos", "containers", "multihost", "slurm")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -34,6 +34,7 @@ from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
 from genq import datasets
+from genq.allocation import slurm_job
 from genq.keys import Keys
 from genq.queues import count_unfinished
 from genq.reaper import reap
@@ -114,7 +115,12 @@ class Bookkeeper(BaseWorker):
         self.refresh_queues()
         self.register_birth()
         self.connection.hset(
-            self.key, mapping={"genq_server": self.server, **{f"genq_{k}": v for k, v in server.items()}}
+            self.key,
+            mapping={
+                "genq_server": self.server,
+                "genq_slurm_job": slurm_job() or "",
+                **{f"genq_{k}": v for k, v in server.items()},
+            },
         )
         self.set_state(WorkerStatus.IDLE)
 

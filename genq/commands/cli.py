@@ -33,6 +33,7 @@ ROLES = {
     "run": "genq.commands.run.run_command",
     "verify": "genq.commands.verify.verify_command",
     "sim-server": "sim.cli.sim_server",
+    "slurm": "genq.commands.slurm.slurm_command",
 }
 
 

@@ -117,7 +117,7 @@ def workers_table(data: dict[str, Any]) -> RenderableType:
     for w in workers[:MAX_WORKER_ROWS]:
         age = w["heartbeat_age_s"]
         table.add_row(
-            f"{w['host']}:{w['pid']}",
+            f"slurm {w['slurm_job']}" if w["slurm_job"] else f"{w['host']}:{w['pid']}",
             (w["server"] or "?").split("://")[-1],
             count(w["in_flight"]) + (f"/{w['target']}" if w.get("target") is not None else ""),
             count(w["retrying"]),

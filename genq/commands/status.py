@@ -41,6 +41,7 @@ def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
                 "host": h.get("hostname"),
                 "pid": num("pid"),
                 "server": h.get("genq_server"),
+                "slurm_job": h.get("genq_slurm_job") or None,
                 "state": h.get("state"),
                 "in_flight": num("genq_in_flight"),
                 "retrying": num("genq_retrying"),
