@@ -11,9 +11,9 @@ import click
 import redis
 
 from collector import metrics
-from collector.drain import Collector, WriteFailed
 from collector.leases import LeaseHeld
 from collector.loop import Loop
+from collector.writer import Collector, WriteFailed
 from genq.connection import connect, wait_for_redis
 from genq.keys import Keys, validate_name
 from genq.logs import logging_options, setup_logging

@@ -12,7 +12,7 @@ from typing import TypeVar
 import redis
 
 from collector.checkpoint import Stale
-from collector.drain import Collector, WriteFailed
+from collector.writer import Collector, WriteFailed
 from genq import backoff
 from genq.reaper import reap
 from genq.redis_errors import Outage

@@ -97,14 +97,14 @@ def _normalize(state: dict, job_id: str, worker: str) -> dict:
 
 
 def test_genq_takes_and_finishes_jobs_writing_what_rqs_own_worker_writes(conn, namespace):
-    """worker/rq_state.py writes RQ's keys itself, for many jobs per round trip. One job goes
+    """worker/rq_batch.py writes RQ's keys itself, for many jobs per round trip. One job goes
     through RQ's own worker code (dequeue, Execution.create, prepare_for_execution,
     handle_job_success), one through genq's take script and batched finish: RQ must read the
     same state back after each step. Allowed difference: RQ's Result stream, which genq leaves out."""
     from rq import Queue, Worker
     from rq.executions import Execution
 
-    from worker import rq_state
+    from worker import rq_batch
 
     queue = Queue(f"{namespace}.contract", connection=conn, serializer="json")
     for name in ("theirs", "ours"):
@@ -124,9 +124,9 @@ def test_genq_takes_and_finishes_jobs_writing_what_rqs_own_worker_writes(conn, n
     started_theirs = _normalize(_state(conn, queue, theirs.id), theirs.id, rq_worker.name)
 
     # genq's take script.
-    script = conn.register_script(rq_state.TAKE)
+    script = conn.register_script(rq_batch.TAKE)
     keys = (rq_worker.key, f"{namespace}:crashes", f"{namespace}:attempts")
-    full, popped = rq_state.take(script, [(queue, f"{namespace}:stream")], 1, rq_worker.name, keys, 100, 60)
+    full, popped = rq_batch.take(script, [(queue, f"{namespace}:stream")], 1, rq_worker.name, keys, 100, 60)
     assert (full, [p.state for p in popped]) == ([], ["started"])
     ours = popped[0]
     assert ours.job.kwargs == {"id": "ours"} and ours.attempt == 1
@@ -138,12 +138,12 @@ def test_genq_takes_and_finishes_jobs_writing_what_rqs_own_worker_writes(conn, n
     assert started_ours == started_theirs
 
     # Finishing: RQ's handle_job_success, then genq's finish of its job.
-    theirs.ended_at = rq_state.now()
+    theirs.ended_at = rq_batch.now()
     theirs._result = {"tokens": 1}
     rq_worker.execution = execution
     rq_worker.handle_job_success(theirs, queue, theirs.started_job_registry)
     with conn.pipeline() as pipe:
-        rq_state.finish(pipe, rq_worker.key, [(ours.job, ours.execution)], rq_state.now())
+        rq_batch.finish(pipe, rq_worker.key, [(ours.job, ours.execution)], rq_batch.now())
         pipe.execute()
     done_theirs = _normalize(_state(conn, queue, theirs.id), theirs.id, rq_worker.name)
     done_ours = _normalize(_state(conn, queue, ours.job_id), ours.job_id, rq_worker.name)

@@ -24,12 +24,12 @@ from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
 from genq.schema import JobSpec, error_record
 from worker import metrics
-from worker.bookkeeping import Bookkeeper, Taken
 from worker.commits import GroupCommit
 from worker.concurrency import Concurrency
 from worker.config import WorkerConfig
 from worker.gate import ServerGate
 from worker.probation import Probation
+from worker.rq_worker import Bookkeeper, Taken
 
 log = logging.getLogger("genq.worker")
 

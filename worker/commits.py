@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from worker.bookkeeping import Finished
+from worker.rq_worker import Finished
 
 LINGER_S = 0.025
 

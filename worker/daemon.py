@@ -1,7 +1,7 @@
 """The asyncio worker: C jobs in flight in one process, read top to bottom.
 
 One event loop does the HTTP, through a backend (genq/backends: the engine's API); every
-Redis/RQ call goes to :class:`~worker.bookkeeping.Bookkeeper` on a single thread, so the loop
+Redis/RQ call goes to :class:`~worker.rq_worker.Bookkeeper` on a single thread, so the loop
 never blocks on Redis and RQ's one-job-at-a-time worker state is only ever touched by one caller.
 
 The Worker takes jobs and runs them, drains on SIGTERM and reports; the server gate is
@@ -38,12 +38,12 @@ from genq.templates import ChatTemplate, TemplateError
 from worker import metrics
 from worker.attempts import Attempts, Tries
 from worker.background import keep_running
-from worker.bookkeeping import Bookkeeper, Finished, Taken
 from worker.commits import GroupCommit
 from worker.concurrency import STEER_EVERY_S, Concurrency
 from worker.config import WorkerConfig
 from worker.gate import ServerGate
 from worker.record import build_record
+from worker.rq_worker import Bookkeeper, Finished, Taken
 
 log = logging.getLogger("genq.worker")
 T = TypeVar("T")
@@ -62,7 +62,7 @@ class Worker:
         self.books = Bookkeeper(conn, keys, config.heartbeat_ttl, config.server)
         self._redis_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genq-redis")
         # Takes and maintenance on threads of their own: on a slow link a take must not wait
-        # behind the hand-overs and the reaper's round trips (worker/bookkeeping.py).
+        # behind the hand-overs and the reaper's round trips (worker/rq_worker.py).
         self._take_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genq-take")
         self._maintenance_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genq-reap")
         self._in_flight: dict[asyncio.Task, Taken] = {}

@@ -18,8 +18,8 @@ from typing import Any
 from genq import backends, backoff
 from genq.backends import Backend, Http, ServerInfo, ServerRefused
 from genq.backends.base import AttemptError
-from worker.bookkeeping import Bookkeeper
 from worker.config import WorkerConfig
+from worker.rq_worker import Bookkeeper
 
 log = logging.getLogger("genq.worker")
 HEALTH_EVERY_S = 10.0

@@ -2,13 +2,13 @@
 
 RQ's ``BaseWorker`` holds a single ``execution``; this subclass gives each in-flight job its
 own :class:`rq.executions.Execution`. Jobs are taken and finished in batches, writing RQ's keys
-as RQ's worker does (worker/rq_state.py); the rare failure goes through RQ's own
+as RQ's worker does (worker/rq_batch.py); the rare failure goes through RQ's own
 ``handle_job_failure``, with ``self.execution`` pointed at the job's just before, under a lock.
 Every method here is synchronous and runs on a thread of the worker's: takes and maintenance each
 on their own (so neither waits behind the other's round trips on a slow link), everything else on
 one, in order (heartbeats and hand-overs must not overtake each other).
 
-RQ internals relied on (pinned ``rq==2.12.*``): the keys of worker/rq_state.py,
+RQ internals relied on (pinned ``rq==2.12.*``): the keys of worker/rq_batch.py,
 ``Execution.heartbeat`` / ``delete``, ``handle_job_failure``, ``StartedJobRegistry.cleanup`` for
 abandoned jobs, ``IntermediateQueue.cleanup``.
 """
@@ -39,7 +39,7 @@ from genq.keys import Keys
 from genq.queues import count_unfinished
 from genq.reaper import reap
 from genq.schema import KIND_ERROR, JobSpec, dumps, loads, stream_entry
-from worker import rq_state
+from worker import rq_batch
 
 log = logging.getLogger("genq.worker")
 # An execution not heartbeated for this part of its TTL is taken for lapsed (heartbeats run every
@@ -97,7 +97,7 @@ class Bookkeeper(BaseWorker):
             job_monitoring_interval=heartbeat_ttl,
         )
         self._rotation = 0
-        self._take_script = conn.register_script(rq_state.TAKE)
+        self._take_script = conn.register_script(rq_batch.TAKE)
         self._rq_lock = threading.Lock()  # RQ's single ``execution``, swapped for a failure
 
     def log_context(self, t: Taken | None = None) -> dict[str, Any]:
@@ -145,7 +145,7 @@ class Bookkeeper(BaseWorker):
 
     def take(self, limit: int, stream_limit: int) -> tuple[list[str], list[Taken]]:
         """Start up to ``limit`` jobs from the queues (in turn, so every dataset gets served), in
-        one round trip (worker/rq_state.py); with the datasets skipped because their result stream
+        one round trip (worker/rq_batch.py); with the datasets skipped because their result stream
         holds ``stream_limit`` entries (decision 10: their collector is behind)."""
         queues = self._ordered_queues[self._rotation :] + self._ordered_queues[: self._rotation]
         self._rotation = (self._rotation + 1) % max(1, len(self._ordered_queues))
@@ -153,7 +153,7 @@ class Bookkeeper(BaseWorker):
             return [], []
         streams = [(q, self.keys.results(self._dataset(q))) for q in queues]
         keys = (self.key, self.keys.crashes, self.keys.attempts)
-        full, popped = rq_state.take(
+        full, popped = rq_batch.take(
             self._take_script, streams, limit, self.name, keys, stream_limit, self.heartbeat_ttl
         )
         taken: list[Taken] = []
@@ -268,7 +268,7 @@ class Bookkeeper(BaseWorker):
                 at = now()
                 for f in finished:
                     f.taken.job.ended_at = at
-                rq_state.finish(pipe, self.key, [(f.taken.job, f.taken.execution) for f in finished], at)
+                rq_batch.finish(pipe, self.key, [(f.taken.job, f.taken.execution) for f in finished], at)
             counts = pipe.execute()
         for f in finished:
             f.taken.handed_over = True

@@ -1,4 +1,4 @@
-"""Drain the result stream to disk: write, flush, fsync, then acknowledge (decision 4).
+"""Write the result streams to disk: write, flush, fsync, then acknowledge (decision 4).
 
 The dataset bitmaps ``done`` and ``failed`` say which ids are on disk. They are only set in
 the same atomic commit (collector/checkpoint.py) that acknowledges the entries and moves the
@@ -194,7 +194,7 @@ class Collector:
             self._unacked.add(name)
             self.reconciler.dataset(name)
 
-    # -- draining ---------------------------------------------------------------------------
+    # -- reading ------------------------------------------------------------------------------
 
     def read(self, block_ms: int) -> list[Item]:
         """From the streams of the datasets held: entries delivered before but not acknowledged
