@@ -100,13 +100,16 @@ async def sglang_loads(request: web.Request) -> web.Response:
 async def sglang_metrics(request: web.Request) -> web.Response:
     now = snapshot(request.app[SIM_STATE])
     labels = {"model_name": model.MODEL_PATH}
+    # SGLang's metrics live in prometheus_client's multiprocess mode, which shows a counter only
+    # once it has counted: the real 0.5.23 has no line for it until a retraction.
+    retracted = [("sglang:num_retracted_requests_total", "counter", labels, now.retracted)]
     return _prometheus(
         [
             ("sglang:num_running_reqs", "gauge", labels, now.running),
             ("sglang:num_queue_reqs", "gauge", labels, now.waiting),
             ("sglang:token_usage", "gauge", labels, round(now.usage, 2)),
             ("sglang:max_total_num_tokens", "gauge", labels, now.kv_capacity),
-            ("sglang:num_retracted_requests_total", "counter", labels, now.retracted),
+            *(retracted if now.retracted else []),
         ]
     )
 

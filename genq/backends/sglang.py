@@ -288,9 +288,16 @@ def from_metrics(text: str) -> Load | None:
         running=count(found.get("sglang:num_running_reqs")),
         waiting=count(found.get("sglang:num_queue_reqs")),
         kv_usage=fraction(found.get("sglang:token_usage")),
-        preempted=count(found.get("sglang:num_retracted_requests_total")),
+        preempted=_retracted(found.get("sglang:num_retracted_requests_total")),
         kv_tokens=count(found.get("sglang:max_total_num_tokens")),
     )
+
+
+def _retracted(value: float | None) -> int:
+    """SGLang's metrics run in prometheus_client's multiprocess mode, which shows a counter only
+    once it has counted (observability/metrics_collector.py; seen on the real 0.5.23: no line for
+    it on a server that has retracted nothing): a /metrics without it has retracted nothing yet."""
+    return count(value) or 0
 
 
 def classify(status: int, raw: bytes, headers: Any) -> AttemptError:
