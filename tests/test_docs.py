@@ -26,6 +26,7 @@ COMMAND_LINE = re.compile(r"\bgenq ([a-z][a-z-]*)([^|;&`\n]*)")
 EXTERNAL = {
     # SGLang's launch_server and its router
     "--device": "SGLang",
+    "--model-path": "SGLang",
     "--enable-deterministic-inference": "SGLang",
     "--enable-metrics": "SGLang",
     "--disable-retries": "sglang-router",
@@ -36,6 +37,13 @@ EXTERNAL = {
     # llama.cpp's llama-server
     "--kv-unified": "llama-server",
     "--parallel": "llama-server",
+    "--metrics": "llama-server",
+    "--no-slots": "llama-server",
+    # Slurm's sbatch
+    "--account": "sbatch",
+    "--array": "sbatch",
+    "--export": "sbatch",
+    "--signal": "sbatch",
     # podman, podman-compose, systemd, pip, redis-server
     "--build": "podman-compose",
     "--build-arg": "podman build",
