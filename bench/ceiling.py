@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bare_client import send_all  # noqa: E402
-from bench.common import cpu_s, machine, write_prompts  # noqa: E402
+from bench.common import cpu_s, kill_children, machine, write_prompts  # noqa: E402
 from genq.commands.embedded import EmbeddedRedis  # noqa: E402
 from genq.commands.processes import genq_command, spawn, wait_for_line  # noqa: E402
 from genq.connection import HASH_VALUE_LIMIT  # noqa: E402
@@ -104,10 +104,7 @@ class Cluster:
         return cpu_s(self.redis.proc.pid)
 
     def close(self) -> None:
-        for proc in reversed(self.children):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        kill_children(self.children)
         self.redis.stop()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,3 +37,11 @@ def machine() -> dict[str, object]:
         "platform": platform.platform(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def kill_children(children: list[subprocess.Popen]) -> None:
+    """Every process a benchmark started and left running, last started first."""
+    for proc in reversed(children):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

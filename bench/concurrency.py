@@ -28,7 +28,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine  # noqa: E402
+from bench.common import kill_children, machine  # noqa: E402
 from bench.throughput import Config, console, run_once  # noqa: E402
 from genq.commands.embedded import EmbeddedRedis  # noqa: E402
 
@@ -105,10 +105,7 @@ def main() -> int:
         console.print("\ninterrupted")
         return 130
     finally:
-        for proc in reversed(children):
-            if proc.returncode is None and proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        kill_children(children)
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
     print_table(results)

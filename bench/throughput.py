@@ -38,7 +38,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import cpu_s, machine, write_prompts  # noqa: E402
+from bench.common import cpu_s, kill_children, machine, write_prompts  # noqa: E402
 from genq.commands.embedded import EmbeddedRedis  # noqa: E402
 from genq.commands.processes import genq_command, spawn, wait_for_line  # noqa: E402
 from genq.keys import Keys  # noqa: E402
@@ -254,10 +254,7 @@ def main() -> int:
         console.print("\ninterrupted")
         return 130
     finally:
-        for proc in reversed(children):
-            if proc.returncode is None and proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        kill_children(children)
         server.stop()
         if ok and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
