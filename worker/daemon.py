@@ -4,8 +4,9 @@ One event loop does the HTTP, through a backend (genq/backends: the engine's API
 Redis/RQ call goes to :class:`~worker.rq_worker.Bookkeeper` on a single thread, so the loop
 never blocks on Redis and RQ's one-job-at-a-time worker state is only ever touched by one caller.
 
-The Worker takes jobs and runs them, drains on SIGTERM and reports; the server gate is
-:class:`~worker.gate.ServerGate`, the sends :class:`~worker.attempts.Attempts`. What a failed send
+The Worker takes jobs and starts them, drains on SIGTERM and reports; the server gate is
+:class:`~worker.gate.ServerGate`, one job's run to its ending :class:`~worker.runner.JobRunner`,
+its sends :class:`~worker.attempts.Attempts`. What a failed send
 costs is decided in one place, :meth:`Attempts._judge <worker.attempts.Attempts._judge>`;
 docs/failures.md is the table of it.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -25,25 +25,22 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import orjson
 import redis
 
-from genq import backoff, conversation, datasets, logprobs
-from genq.backends import Answer, Backend, Http
-from genq.backends.base import AttemptError, Cost
+from genq import backoff
+from genq.backends import Backend, Http
+from genq.backends.base import AttemptError
 from genq.keys import Keys
 from genq.redis_errors import Outage
-from genq.schema import KIND_RECORD, JobSpec
-from genq.templates import ChatTemplate, TemplateError
 from worker import metrics
-from worker.attempts import Attempts, Tries
+from worker.attempts import Attempts
 from worker.background import keep_running
 from worker.commits import GroupCommit
 from worker.concurrency import STEER_EVERY_S, Concurrency
 from worker.config import WorkerConfig
 from worker.gate import ServerGate
-from worker.record import build_record
-from worker.rq_worker import Bookkeeper, Finished, Taken
+from worker.rq_worker import Bookkeeper, Taken
+from worker.runner import JobRunner
 
 log = logging.getLogger("genq.worker")
 T = TypeVar("T")
@@ -77,8 +74,6 @@ class Worker:
         self._slot_freed = asyncio.Event()
         self._signals = 0
         self._background: list[asyncio.Task] = []
-        self._templates: dict[bytes, ChatTemplate] = {}  # chat templates of conversation datasets
-        self._template_lock = asyncio.Lock()
         self.gate = ServerGate(config, http, self.books)
         self.concurrency = Concurrency.of(config)  # how many jobs in flight
         self.attempts = Attempts(
@@ -91,6 +86,16 @@ class Worker:
             lambda: self._in_flight.values(),
             self._finish,
             self.concurrency,
+        )
+        self.runner = JobRunner(
+            config,
+            keys,
+            self.books,
+            self.redis,
+            self.attempts,
+            self._commits,
+            lambda: self.backend,
+            self._finish,
         )
 
     @property
@@ -300,7 +305,7 @@ class Worker:
         )
 
     def _start(self, t: Taken) -> None:
-        task = asyncio.create_task(self._run_job(t))
+        task = asyncio.create_task(self.runner.run(t))
         self._in_flight[task] = t
         task.add_done_callback(self._job_done)
 
@@ -367,94 +372,6 @@ class Worker:
             len(left),
             extra=self.books.log_context(),
         )
-
-    # -- one job ----------------------------------------------------------------------------
-
-    async def _run_job(self, t: Taken) -> None:
-        """Send until the job ends: a record, or an error for errors.jsonl."""
-        if t.spec.logprobs is not None and not self.backend.logprobs:
-            why = f"the job asks for logprobs, which the {self.backend.name} backend cannot return"
-            await self.attempts.fail(t, AttemptError("bad_request", why, cost=Cost.FATAL), 0)
-            return
-        if t.spec.turns == "all":
-            await self._run_conversation(t)
-            return
-        tries = Tries(started=time.monotonic())
-        answer = await self.attempts.answer(t, t.spec, tries)
-        if answer is not None:
-            frame = logprobs.pack(t.spec.id, answer.logprobs) if answer.logprobs is not None else None
-            await self._succeed(t, self._record(t.spec, answer, tries), frame)
-
-    async def _run_conversation(self, t: Taken) -> None:
-        """Every user turn in order, each sent with the model's own earlier answers (decision 14).
-        Finished turns are kept in Redis, so a job whose worker died goes on from its first
-        unfinished turn; each turn has the whole attempt budget."""
-        spec, job_id = t.spec, t.job.id
-        messages = spec.messages or []
-        n = conversation.user_turns(messages)
-        done: list[dict[str, Any]] = await self.redis(self.books.turns_done, job_id)
-        answers = [conversation.answer_message(d["content"], d["reasoning"]) for d in done]
-        template = None
-        if self.backend.sends == "ids":
-            try:
-                template = await self._template(spec)
-            except TemplateError as exc:
-                await self.attempts.fail(t, AttemptError("tokenizer", str(exc), cost=Cost.FATAL), 0)
-                return
-        started = time.monotonic()
-        record: dict[str, Any] = {}
-        for k in range(len(done), n):
-            prompt = conversation.turn_prompt(messages, answers, k)
-            ids = None
-            if template is not None:
-                ids = (await asyncio.to_thread(template.render, [prompt]))[0]
-                why = ids if isinstance(ids, str) else None
-                if k == 0 and why is None and spec.input_ids is not None and ids != spec.input_ids:
-                    why = "the worker's chat template renders the first turn differently from enqueue's"
-                if why is not None:
-                    await self.attempts.fail(t, AttemptError("bad_request", why, cost=Cost.FATAL), 0, (k, n))
-                    return
-            turn = dataclasses.replace(spec, input_ids=ids, messages=prompt, text=None, turns=None)
-            tries = Tries(started=time.monotonic())
-            answer = await self.attempts.answer(t, turn, tries, (k, n))
-            if answer is None:
-                return
-            record = self._record(turn, answer, tries)
-            done.append({key: record.get(key) for key in conversation.TURN_FIELDS})
-            answers.append(conversation.answer_message(record["content"], record["reasoning"]))
-            if k < n - 1:
-                await self.redis(self.books.save_turns, job_id, done)
-        record.update(conversation.totals(done), latency_s=round(time.monotonic() - started, 4), turns=done)
-        await self._succeed(t, record)
-
-    async def _template(self, spec: JobSpec) -> ChatTemplate:
-        """The dataset's chat template, loaded once per worker (transformers, offline), and only
-        the one its settings recorded (genq/templates.py)."""
-        key = orjson.dumps([spec.dataset, spec.template], option=orjson.OPT_SORT_KEYS)
-        async with self._template_lock:  # one load at a time: transformers' import is not thread-safe
-            if key not in self._templates:
-                recorded = await self.redis(datasets.load, self.books.connection, self.keys, spec.dataset)
-                prompting = recorded.prompting if recorded else {}
-                self._templates[key] = await asyncio.to_thread(
-                    ChatTemplate.from_spec, spec.template or {}, prompting
-                )
-        return self._templates[key]
-
-    def _record(self, spec: JobSpec, answer: Answer, tries: Tries) -> dict[str, Any]:
-        return build_record(
-            spec,
-            answer,
-            attempts=tries.attempt,
-            latency_s=time.monotonic() - tries.started,
-            server=self.config.server,
-            worker=self.books.name,
-            backend=self.backend.name,
-        )
-
-    async def _succeed(self, t: Taken, record: dict[str, Any], frame: bytes | None = None) -> None:
-        self._finish(t)
-        await self._commits.finish(Finished(t, KIND_RECORD, record, frame))
-        metrics.finished(t.spec.dataset, record)
 
     def _finish(self, t: Taken) -> None:
         """The job has its ending: never requeue it, and let another job have its slot."""

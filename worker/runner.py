@@ -1,0 +1,145 @@
+"""One taken job, run to its ending: a prompt, or a conversation turn by turn (decision 14).
+
+The daemon (worker/daemon.py) decides when a job starts and what happens to it on a stop; the
+runner decides what the job sends and what its ending is. Each send goes through
+:class:`~worker.attempts.Attempts` (what a failed send costs), each record is built by
+worker/record.py, and each ending is handed to the group commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from genq import conversation, datasets, logprobs
+from genq.backends import Answer, Backend
+from genq.backends.base import AttemptError, Cost
+from genq.keys import Keys
+from genq.schema import KIND_RECORD, JobSpec
+from genq.templates import ChatTemplate, TemplateError
+from worker import metrics
+from worker.attempts import Attempts, Tries
+from worker.commits import GroupCommit
+from worker.config import WorkerConfig
+from worker.record import build_record
+from worker.rq_worker import Bookkeeper, Finished, Taken
+
+
+class JobRunner:
+    """Runs one job at a time per call, many calls at once: sends its prompt (or each of its
+    conversation's turns) until it has a record or an error, and hands that over. ``finish``
+    marks a job as having its ending, so the daemon frees its slot and never requeues it."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        keys: Keys,
+        books: Bookkeeper,
+        redis: Callable[..., Awaitable[Any]],
+        attempts: Attempts,
+        commits: GroupCommit,
+        backend: Callable[[], Backend],
+        finish: Callable[[Taken], None],
+    ):
+        self.config = config
+        self.keys = keys
+        self.books = books
+        self.redis = redis
+        self.attempts = attempts
+        self.commits = commits
+        self._backend = backend
+        self.finish = finish
+        self._templates: dict[bytes, ChatTemplate] = {}  # chat templates of conversation datasets
+        self._template_lock = asyncio.Lock()
+
+    async def run(self, t: Taken) -> None:
+        """Send until the job ends: a record, or an error for errors.jsonl."""
+        backend = self._backend()
+        if t.spec.logprobs is not None and not backend.logprobs:
+            why = f"the job asks for logprobs, which the {backend.name} backend cannot return"
+            await self.attempts.fail(t, AttemptError("bad_request", why, cost=Cost.FATAL), 0)
+            return
+        if t.spec.turns == "all":
+            await self._run_conversation(t)
+            return
+        tries = Tries(started=time.monotonic())
+        answer = await self.attempts.answer(t, t.spec, tries)
+        if answer is not None:
+            frame = logprobs.pack(t.spec.id, answer.logprobs) if answer.logprobs is not None else None
+            await self._succeed(t, self._record(t.spec, answer, tries), frame)
+
+    async def _run_conversation(self, t: Taken) -> None:
+        """Every user turn in order, each sent with the model's own earlier answers (decision 14).
+        Finished turns are kept in Redis, so a job whose worker died goes on from its first
+        unfinished turn; each turn has the whole attempt budget."""
+        spec, job_id = t.spec, t.job.id
+        messages = spec.messages or []
+        n = conversation.user_turns(messages)
+        done: list[dict[str, Any]] = await self.redis(self.books.turns_done, job_id)
+        answers = [conversation.answer_message(d["content"], d["reasoning"]) for d in done]
+        template = None
+        if self._backend().sends == "ids":
+            try:
+                template = await self._template(spec)
+            except TemplateError as exc:
+                await self.attempts.fail(t, AttemptError("tokenizer", str(exc), cost=Cost.FATAL), 0)
+                return
+        started = time.monotonic()
+        record: dict[str, Any] = {}
+        for k in range(len(done), n):
+            prompt = conversation.turn_prompt(messages, answers, k)
+            ids = None
+            if template is not None:
+                ids = (await asyncio.to_thread(template.render, [prompt]))[0]
+                why = ids if isinstance(ids, str) else None
+                if k == 0 and why is None and spec.input_ids is not None and ids != spec.input_ids:
+                    why = "the worker's chat template renders the first turn differently from enqueue's"
+                if why is not None:
+                    await self.attempts.fail(t, AttemptError("bad_request", why, cost=Cost.FATAL), 0, (k, n))
+                    return
+            turn = dataclasses.replace(spec, input_ids=ids, messages=prompt, text=None, turns=None)
+            tries = Tries(started=time.monotonic())
+            answer = await self.attempts.answer(t, turn, tries, (k, n))
+            if answer is None:
+                return
+            record = self._record(turn, answer, tries)
+            done.append({key: record.get(key) for key in conversation.TURN_FIELDS})
+            answers.append(conversation.answer_message(record["content"], record["reasoning"]))
+            if k < n - 1:
+                await self.redis(self.books.save_turns, job_id, done)
+        record.update(conversation.totals(done), latency_s=round(time.monotonic() - started, 4), turns=done)
+        await self._succeed(t, record)
+
+    async def _template(self, spec: JobSpec) -> ChatTemplate:
+        """The dataset's chat template, loaded once per worker (transformers, offline), and only
+        the one its settings recorded (genq/templates.py)."""
+        key = orjson.dumps([spec.dataset, spec.template], option=orjson.OPT_SORT_KEYS)
+        async with self._template_lock:  # one load at a time: transformers' import is not thread-safe
+            if key not in self._templates:
+                recorded = await self.redis(datasets.load, self.books.connection, self.keys, spec.dataset)
+                prompting = recorded.prompting if recorded else {}
+                self._templates[key] = await asyncio.to_thread(
+                    ChatTemplate.from_spec, spec.template or {}, prompting
+                )
+        return self._templates[key]
+
+    def _record(self, spec: JobSpec, answer: Answer, tries: Tries) -> dict[str, Any]:
+        return build_record(
+            spec,
+            answer,
+            attempts=tries.attempt,
+            latency_s=time.monotonic() - tries.started,
+            server=self.config.server,
+            worker=self.books.name,
+            backend=self._backend().name,
+        )
+
+    async def _succeed(self, t: Taken, record: dict[str, Any], frame: bytes | None = None) -> None:
+        self.finish(t)
+        await self.commits.finish(Finished(t, KIND_RECORD, record, frame))
+        metrics.finished(t.spec.dataset, record)
