@@ -12,8 +12,6 @@ front of its queue at once, instead of after the heartbeat TTL.
 
 from __future__ import annotations
 
-import time
-
 import redis
 from rq import Queue, worker_registration
 from rq.job import Job, JobStatus
@@ -21,6 +19,7 @@ from rq.registry import StartedJobRegistry
 from rq.utils import parse_composite_key
 
 from genq import datasets
+from genq.clock import redis_time
 from genq.keys import Keys
 from genq.queues import rq_queue
 
@@ -51,22 +50,24 @@ def reap(conn: redis.Redis, keys: Keys, interval_s: int) -> bool:
     for name in datasets.load_all(conn, keys):
         queue = rq_queue(conn, keys, name)
         registry = StartedJobRegistry(queue=queue, serializer="json")
-        _forget_finished(conn, registry)
+        # Deadlines are compared on Redis's clock, as workers write them (genq/clock.py): RQ's
+        # cleanup would read this host's, and a host clock off by minutes would reap live jobs.
+        now = redis_time(conn)
+        _forget_finished(conn, registry, now)
         # Abandoned: requeued while the job has RQ retries left, else failed (AbandonedJobError).
-        registry.cleanup()
-        _requeue_stranded(conn, keys, queue, max(STRANDED_MIN_S, STRANDED_INTERVALS * interval_s))
+        registry.cleanup(timestamp=now)
+        _requeue_stranded(conn, keys, queue, max(STRANDED_MIN_S, STRANDED_INTERVALS * interval_s), now)
         worker_registration.clean_worker_registry(queue)
         # RQ's own workers trim these in their maintenance; genq's must too, or a finished
         # registry keeps every job of the run (~120 bytes each) long after the job expired.
-        queue.finished_job_registry.cleanup()
+        queue.finished_job_registry.cleanup(timestamp=now)
     return True
 
 
-def _forget_finished(conn: redis.Redis, registry: StartedJobRegistry) -> None:
+def _forget_finished(conn: redis.Redis, registry: StartedJobRegistry, now: float) -> None:
     """Lapsed executions of jobs that have finished (a late heartbeat of a worker that handed the
     result over, or a partitioned worker returning) are dropped, not abandoned: RQ's cleanup would
     queue a finished job again, and it would be generated twice."""
-    now = time.time()
     members = conn.zrangebyscore(registry.key, 0, now)
     if not members:
         return
@@ -82,7 +83,7 @@ def _forget_finished(conn: redis.Redis, registry: StartedJobRegistry) -> None:
         conn.zrem(registry.key, *gone)
 
 
-def _requeue_stranded(conn: redis.Redis, keys: Keys, queue: Queue, after_s: float) -> None:
+def _requeue_stranded(conn: redis.Redis, keys: Keys, queue: Queue, after_s: float, now: float) -> None:
     """Ids a worker moved into RQ's intermediate list and never started: queued again only when the
     job is still waiting to run. A finished job's id there (a second copy of it, taken by a worker
     that died before it could skip it) is dropped: queueing it would run it twice.
@@ -98,7 +99,6 @@ def _requeue_stranded(conn: redis.Redis, keys: Keys, queue: Queue, after_s: floa
     left = [job_id for job_id in seen if job_id not in stranded]
     if left:
         conn.hdel(keys.stranded(queue.name), *left)
-    now = time.time()
     for job_id in stranded:
         if job_id not in seen:
             conn.hset(keys.stranded(queue.name), job_id, now)

@@ -117,9 +117,3 @@ def read(
         tokens_per_s_since_start=since_start,
         cut=int(fields.get("cut", 0)) if exact else None,
     )
-
-
-def redis_now(conn) -> float:
-    """Redis's clock: the collector and status may run on hosts whose clocks disagree."""
-    sec, usec = conn.time()
-    return sec + usec / 1e6

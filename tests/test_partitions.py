@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from genq.bitmaps import is_set
+from genq.clock import redis_time
 from genq.keys import Keys
 from tests.helpers import (
     check_records,
@@ -63,11 +64,6 @@ def _reaper_ran_since(conn, namespace: str, at: float) -> bool:
     return float(conn.get(Keys(namespace).maintenance_lock) or 0) > at
 
 
-def _redis_now(conn) -> float:
-    sec, usec = conn.time()
-    return sec + usec / 1e6
-
-
 @pytest.mark.timeout(720)  # its waits and stops add up to 630 s
 def test_a_worker_cut_off_from_redis_queues_nothing_finished_when_it_returns(
     procs, start_sim, out, tmp_path, redis_url, conn, namespace
@@ -120,7 +116,7 @@ def test_a_worker_cut_off_from_redis_queues_nothing_finished_when_it_returns(
         # A late heartbeat of gpu1 would have put an execution back in RQ's started registry: the
         # queue is idle only once none is left, and a reaper pass after that finds nothing to queue.
         wait_until(lambda: _idle(conn, namespace, "cut"), 60, "no job left in RQ's queue or registries")
-        idle_at = _redis_now(conn)
+        idle_at = redis_time(conn)
         wait_until(lambda: _reaper_ran_since(conn, namespace, idle_at), 30, "a reaper pass after that")
         status = status_json(procs)["datasets"]["cut"]
         assert (status["queued"], status["in_flight"]) == (0, 0), status

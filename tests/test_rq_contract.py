@@ -103,7 +103,9 @@ def test_genq_takes_and_finishes_jobs_writing_what_rqs_own_worker_writes(conn, n
     same state back after each step. Allowed difference: RQ's Result stream, which genq leaves out."""
     from rq import Queue, Worker
     from rq.executions import Execution
+    from rq.utils import now
 
+    from genq.clock import RedisClock, redis_time
     from worker import rq_batch
 
     queue = Queue(f"{namespace}.contract", connection=conn, serializer="json")
@@ -126,7 +128,10 @@ def test_genq_takes_and_finishes_jobs_writing_what_rqs_own_worker_writes(conn, n
     # genq's take script.
     script = conn.register_script(rq_batch.TAKE)
     keys = (rq_worker.key, f"{namespace}:crashes", f"{namespace}:attempts")
-    full, popped = rq_batch.take(script, [(queue, f"{namespace}:stream")], 1, rq_worker.name, keys, 100, 60)
+    clock = RedisClock(conn)
+    full, popped = rq_batch.take(
+        script, [(queue, f"{namespace}:stream")], 1, rq_worker.name, keys, 100, 60, at=clock.now()
+    )
     assert (full, [p.state for p in popped]) == ([], ["started"])
     ours = popped[0]
     assert ours.job.kwargs == {"id": "ours"} and ours.attempt == 1
@@ -137,13 +142,33 @@ def test_genq_takes_and_finishes_jobs_writing_what_rqs_own_worker_writes(conn, n
     started_theirs["started"] = started_ours["started"] = ["JOB"]  # each sees the other in the registry too
     assert started_ours == started_theirs
 
+    # A heartbeat: RQ's three (worker, execution, job), then genq's, which writes Redis's time.
+    with conn.pipeline() as pipe:
+        rq_worker.heartbeat(120, pipeline=pipe)
+        execution.heartbeat(theirs.started_job_registry, 90, pipeline=pipe)
+        theirs.heartbeat(now(), 90, pipeline=pipe)
+        pipe.execute()
+    with conn.pipeline() as pipe:
+        rq_batch.heartbeat(pipe, rq_worker.key, [(ours.job, ours.execution)], 90, clock.now())
+        pipe.execute()
+    beat_theirs = _normalize(_state(conn, queue, theirs.id), theirs.id, rq_worker.name)
+    beat_ours = _normalize(_state(conn, queue, ours.job_id), ours.job_id, rq_worker.name)
+    beat_theirs["started"] = beat_ours["started"] = ["JOB"]
+    assert beat_ours == beat_theirs
+    registry = conn.zrange(queue.started_job_registry.key, 0, -1, withscores=True)
+    scores = {member.decode().split(":")[0]: score for member, score in registry}
+    assert abs(scores[theirs.id] - scores[ours.job_id]) <= 2 and scores[ours.job_id] > redis_time(conn) + 80
+    executions = {k: conn.zrange(f"rq:executions:{k}", 0, -1, withscores=True) for k in scores}
+    assert abs(executions[theirs.id][0][1] - executions[ours.job_id][0][1]) <= 2
+    assert {k: conn.ttl(f"rq:executions:{k}") > 140 for k in scores} == {k: True for k in scores}
+
     # Finishing: RQ's handle_job_success, then genq's finish of its job.
-    theirs.ended_at = rq_batch.now()
+    theirs.ended_at = now()
     theirs._result = {"tokens": 1}
     rq_worker.execution = execution
     rq_worker.handle_job_success(theirs, queue, theirs.started_job_registry)
     with conn.pipeline() as pipe:
-        rq_batch.finish(pipe, rq_worker.key, [(ours.job, ours.execution)], rq_batch.now())
+        rq_batch.finish(pipe, rq_worker.key, [(ours.job, ours.execution)], clock.now())
         pipe.execute()
     done_theirs = _normalize(_state(conn, queue, theirs.id), theirs.id, rq_worker.name)
     done_ours = _normalize(_state(conn, queue, ours.job_id), ours.job_id, rq_worker.name)

@@ -26,7 +26,7 @@ from rq import Queue
 from rq.defaults import DEFAULT_RESULT_TTL
 from rq.executions import Execution
 from rq.job import Job, JobStatus
-from rq.utils import now, utcformat
+from rq.utils import utcformat
 
 # KEYS: worker hash, crashes hash, attempts hash, then (queue, started registry, the dataset's
 # result stream) triples in the order to take from. ARGV: stream limit, how many, worker name, the
@@ -112,12 +112,12 @@ def take(
     keys: tuple[str, str, str],
     stream_limit: int,
     ttl: int,
+    at: datetime,
 ) -> tuple[list[Queue], list[Popped]]:
     """Up to ``want`` jobs from ``queues`` (each with its dataset's result stream) in that order,
-    started for ``worker``, in one round trip; with the queues skipped because their stream holds
-    ``stream_limit`` entries. ``keys``: the worker hash, and genq's crashes and attempts hashes;
-    ``script``: :data:`TAKE` registered on the connection."""
-    at = now()
+    started for ``worker`` at ``at`` (Redis's clock, genq/clock.py), in one round trip; with the
+    queues skipped because their stream holds ``stream_limit`` entries. ``keys``: the worker hash,
+    and genq's crashes and attempts hashes; ``script``: :data:`TAKE` registered on the connection."""
     epoch = calendar.timegm(at.utctimetuple())
     queue_keys = [key for q, stream in queues for key in (q.key, q.started_job_registry.key, stream)]
     argv = [stream_limit, want, worker, utcformat(at), at.timestamp(), epoch, ttl]
@@ -162,6 +162,26 @@ def started_job(
     except Exception:  # noqa: BLE001 - as Job.restore: pickled meta from a client without the JSON serializer
         job.meta = {"unserialized": meta}
     return job
+
+
+def heartbeat(
+    pipe: Pipeline, worker_key: str, jobs: list[tuple[Job, Execution]], ttl: int, at: datetime
+) -> None:
+    """What RQ's heartbeats write (``BaseWorker.heartbeat`` for the worker, ``Execution.heartbeat``
+    and ``Job.heartbeat`` for each job: rq/worker/base.py, rq/executions.py, rq/job.py), into
+    ``pipe``, but at ``at``: Redis's clock, not this host's, so the started registry's deadlines
+    mean the same to the reaper on every host (RQ's own code reads ``datetime.now()`` here)."""
+    stamp, epoch = utcformat(at), calendar.timegm(at.utctimetuple())
+    pipe.hset(worker_key, "last_heartbeat", stamp)
+    pipe.expire(worker_key, ttl + 60)
+    for job, execution in jobs:
+        execution.last_heartbeat = job.last_heartbeat = at
+        pipe.hset(execution.key, "last_heartbeat", at.timestamp())
+        pipe.expire(execution.key, ttl)
+        pipe.zadd(job.started_job_registry.key, {execution.composite_key: epoch + ttl}, xx=True)
+        pipe.zadd(f"rq:executions:{job.id}", {execution.id: epoch + ttl + 60})
+        pipe.expire(f"rq:executions:{job.id}", ttl + 60)
+        pipe.hset(job.key, "last_heartbeat", stamp)
 
 
 def finish(pipe: Pipeline, worker_key: str, jobs: list[tuple[Job, Execution]], ended_at: datetime) -> None:

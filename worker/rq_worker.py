@@ -30,11 +30,11 @@ import redis
 from rq import Queue, worker_registration
 from rq.executions import Execution
 from rq.job import Job
-from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
 from genq import datasets
 from genq.allocation import slurm_job
+from genq.clock import RedisClock
 from genq.keys import Keys
 from genq.queues import count_unfinished
 from genq.reaper import reap
@@ -98,6 +98,7 @@ class Bookkeeper(BaseWorker):
         )
         self._rotation = 0
         self._take_script = conn.register_script(rq_batch.TAKE)
+        self.clock = RedisClock(conn)  # every time this worker writes for other hosts to compare
         self._rq_lock = threading.Lock()  # RQ's single ``execution``, swapped for a failure
 
     def log_context(self, t: Taken | None = None) -> dict[str, Any]:
@@ -154,7 +155,14 @@ class Bookkeeper(BaseWorker):
         streams = [(q, self.keys.results(self._dataset(q))) for q in queues]
         keys = (self.key, self.keys.crashes, self.keys.attempts)
         full, popped = rq_batch.take(
-            self._take_script, streams, limit, self.name, keys, stream_limit, self.heartbeat_ttl
+            self._take_script,
+            streams,
+            limit,
+            self.name,
+            keys,
+            stream_limit,
+            self.heartbeat_ttl,
+            at=self.clock.now(),
         )
         taken: list[Taken] = []
         for p in popped:
@@ -210,10 +218,8 @@ class Bookkeeper(BaseWorker):
         for chunk in _chunks(taken, 500) if taken else [[]]:
             sent_at = time.monotonic()
             with self.connection.pipeline() as pipe:
-                self.heartbeat(ttl + 60, pipeline=pipe)
-                for t in chunk:
-                    t.execution.heartbeat(t.job.started_job_registry, ttl, pipeline=pipe)
-                    t.job.heartbeat(now(), ttl, pipeline=pipe)
+                at = self.clock.now()
+                rq_batch.heartbeat(pipe, self.key, [(t.job, t.execution) for t in chunk], ttl, at)
                 if chunk:
                     self.set_current_job_id(chunk[-1].job.id, pipeline=pipe)
                 pipe.execute()
@@ -265,7 +271,7 @@ class Bookkeeper(BaseWorker):
                 pipe.hincrby(self.keys.attempts, job_id, 1)
             if finished:
                 self._hand_over(pipe, finished)
-                at = now()
+                at = self.clock.now()
                 for f in finished:
                     f.taken.job.ended_at = at
                 rq_batch.finish(pipe, self.key, [(f.taken.job, f.taken.execution) for f in finished], at)
@@ -312,7 +318,7 @@ class Bookkeeper(BaseWorker):
             pipe.execute()
         t.handed_over = True
         t.job.refresh()  # RQ saves the whole job
-        t.job.ended_at = now()
+        t.job.ended_at = self.clock.now()
         t.job.retries_left = 0  # ours is a final verdict: RQ must not requeue it
         with self._rq_lock:
             self.execution = t.execution

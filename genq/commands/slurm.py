@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from genq.allocation import slurm_job
+from genq.clock import redis_time
 from genq.commands.status import workers
 from genq.connection import connect, redact
 from genq.keys import Keys
@@ -399,7 +400,8 @@ def status_command(name: str, redis_url: str, namespace: str) -> None:
     fmt = "%i|%j|%T|%M|%L|%R"
     listed = _slurm(["squeue", "-h", "--array", f"--name={name},{name}-collect", "-o", fmt])
     try:
-        alive = workers(connect(redis_url), Keys(namespace), time.time())
+        conn = connect(redis_url)
+        alive = workers(conn, Keys(namespace), redis_time(conn))  # heartbeats are Redis's time
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise click.ClickException(f"Redis unreachable at {redact(redis_url)}: {exc}") from exc
     by_job = {w["slurm_job"]: w for w in alive if w["slurm_job"]}

@@ -12,6 +12,7 @@ from rq import Worker
 from rq.utils import utcparse
 
 from genq import datasets, token_counts
+from genq.clock import redis_time
 from genq.keys import Keys
 from genq.progress import STATES, dataset_counts, stream_lag, worker_names
 from genq.redis_errors import not_now, refusing_writes
@@ -106,7 +107,7 @@ def totals(per_dataset: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str, Any]:
     """Everything `genq status --json` prints. ``now`` (Redis time by default) is for tests."""
-    now = now if now is not None else token_counts.redis_now(conn)
+    now = now if now is not None else redis_time(conn)
     per_dataset = _with_tokens(conn, keys, dataset_counts(conn, keys), now)
     alive = workers(conn, keys, now)
     return {
