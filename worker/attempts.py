@@ -22,14 +22,14 @@ from typing import Any
 from genq.backends import Answer
 from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
-from genq.schema import JobSpec, error_record
+from genq.schema import KIND_ERROR, JobSpec, error_record
 from worker import metrics
 from worker.commits import GroupCommit
 from worker.concurrency import Concurrency
 from worker.config import WorkerConfig
 from worker.gate import ServerGate
 from worker.probation import Probation
-from worker.rq_worker import Bookkeeper, Taken
+from worker.rq_worker import Bookkeeper, Finished, Taken
 
 log = logging.getLogger("genq.worker")
 
@@ -314,5 +314,5 @@ class Attempts:
         if turn is not None:
             error["turn"] = turn[0] + 1
         self._finish(t)
-        await self.redis(self.books.fail, t, error)
+        await self.commits.finish(Finished(t, KIND_ERROR, error))
         metrics.finished(t.spec.dataset, None)
