@@ -1,12 +1,12 @@
 """Group commit: the Redis writes of many jobs in one round trip.
 
-A worker with a hundred jobs in flight charges an attempt before every send and hands over a
-result after every answer. Written one by one, that is a round trip each: Redis's CPU goes to
-reading and answering small requests, and on a slow network the jobs wait on the round trips. Here
-each write waits in a list; one task sends everything waiting as one MULTI, and while that MULTI
-is on its way the next group gathers. A group also waits LINGER_S for company: a finished job has
-already given its slot to the next (worker/daemon.py), so that wait delays only the record's
-arrival in the stream, and first attempts are charged when the job is taken.
+A worker with a hundred jobs in flight charges an attempt before every send and hands over a result
+after every answer. Written one by one, that is a round trip each: Redis's CPU goes to reading and
+answering small requests, and on a slow network the jobs wait on the round trips. Here each write
+waits in a list; one task sends everything waiting as one script call (worker/rq_batch.py APPLY),
+and while that call is on its way the next group gathers. A group also waits LINGER_S for company:
+a finished job has already given its slot to the next (worker/daemon.py), so that wait delays only
+the record's arrival in the stream, and first attempts are charged when the job is taken.
 
 Each group carries a token of its own: a group whose reply was lost (the connection dropped after
 Redis applied it) is sent again whole by the caller's retry, and the token makes that second

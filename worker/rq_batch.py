@@ -167,9 +167,9 @@ def started_job(
 
 
 def finish(pipe: Pipeline, worker_key: str, jobs: list[tuple[Job, Execution]], ended_at: datetime) -> None:
-    """What ``handle_job_success`` writes for each job (rq/worker/base.py), into ``pipe`` (a MULTI):
-    the job finished and kept for its result_ttl in the finished registry, its execution gone from
-    the started registry, and the worker's counters."""
+    """What ``handle_job_success`` writes for each job (rq/worker/base.py), into ``pipe`` (run as
+    one step by :func:`apply`): the job finished and kept for its result_ttl in the finished
+    registry, its execution gone from the started registry, and the worker's counters."""
     by_queue: dict[str, list[tuple[Job, Execution]]] = defaultdict(list)
     for job, execution in jobs:
         by_queue[job.origin].append((job, execution))
