@@ -25,7 +25,9 @@ class Proxy:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._lose: bytes | None = None  # the next request holding these bytes loses its reply
+        self._pattern: bytes | None = None
         self.lost = threading.Event()
+        self.sent = 0  # requests that held the pattern, the lost one and any sent again
 
     def start(self) -> Proxy:
         self._thread.start()
@@ -42,8 +44,9 @@ class Proxy:
     def lose_reply(self, pattern: bytes) -> None:
         """The next request that holds ``pattern`` and is answered without an error reply (``-``:
         a NOSCRIPT is not an answer worth losing) reaches the server, which runs it; its
-        connection is then closed before the answer is forwarded. :attr:`lost` is set then."""
-        self._lose = pattern
+        connection is then closed before the answer is forwarded. :attr:`lost` is set then;
+        :attr:`sent` counts the requests that held ``pattern``."""
+        self._lose = self._pattern = pattern
 
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -69,8 +72,10 @@ class Proxy:
         doomed = asyncio.Event()  # this connection's last request is to lose its reply
 
         def sent(data: bytes) -> None:
-            if self._lose is not None and self._lose in data:
-                doomed.set()
+            if self._pattern is not None and self._pattern in data:
+                self.sent += 1
+                if self._lose is not None:
+                    doomed.set()
 
         def answered(data: bytes) -> bool:
             if not doomed.is_set():

@@ -297,7 +297,7 @@ def test_a_failure_whose_reply_is_lost_is_written_once(
     finally:
         proxy.stop()
     assert proxy.lost.is_set(), "no reply was lost: the scenario did not happen"
-    assert "retrying" in log_of(worker), "the worker did not see its connection drop"
+    assert proxy.sent >= 2, "the commit whose reply was lost was not sent again"
     entries = Counter(e[b"id"].decode() for _, e in conn.xrange(keys.results("lost")))
     assert entries == Counter(f"lost-{row}" for row in range(20)), "a job's ending entered the stream twice"
     assert int(conn.hget(keys.in_stream, "lost")) == 20
