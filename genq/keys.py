@@ -30,6 +30,8 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``stranded:<queue>``       hash   job id -> when the reaper first saw it stranded in RQ's intermediate list
 - ``worker:<name>:retrying`` hash   dataset -> this worker's jobs waiting between attempts (TTL: the
                                     heartbeat TTL, refreshed every 2 s: a dead worker's lapses with its jobs)
+- ``worker:<name>:committed`` hash  the token and charged attempts of the worker's last group commit, so a
+                                    commit sent again after a lost reply is applied once (TTL 1 day)
 
 RQ's own keys (``rq:queue:<ns>.<dataset>`` and its registries) hold the jobs.
 """
@@ -142,6 +144,9 @@ class Keys:
 
     def retrying(self, worker_name: str) -> str:
         return f"{self.prefix}worker:{worker_name}:retrying"
+
+    def committed(self, worker_name: str) -> str:
+        return f"{self.prefix}worker:{worker_name}:committed"
 
     def job_id(self, record_id: str) -> str:
         """The RQ job id of a record id. RQ keeps every job at ``rq:job:<id>`` whatever its queue,

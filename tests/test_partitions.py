@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit
 
+import orjson
 import pytest
 
 from genq.bitmaps import is_set
@@ -258,3 +259,49 @@ def test_a_worker_cut_off_from_its_own_server_burns_no_attempts(procs, start_sim
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
     assert read_jsonl(out / "server" / "errors.jsonl") == [], "a job was charged for the partition"
     check_records(out, "server", prompts, PARAMS, min_len=16, max_len=64)
+
+
+def test_a_failure_whose_reply_is_lost_is_written_once(
+    procs, start_sim, out, tmp_path, redis_url, conn, namespace
+):
+    """The link to Redis drops just as Redis answers the commit that fails a job for good (its
+    error's stream entry, RQ's failed state and the counters: one script call). The worker sends
+    that commit again with the same token, and it is applied once: one stream entry for the job,
+    one failed job in RQ, its error in errors.jsonl once and no record of it on disk."""
+    from collections import Counter
+
+    from rq import Queue
+
+    sim = start_sim("--context-length", "200", "--min-len", "8", "--max-len", "32")
+    data = tmp_path / "lost.jsonl"
+    prompts = write_prompts(data, 20)
+    poison = 7
+    prompts[poison] = [100 + j for j in range(300)]  # over the context: a 400, a failure at once
+    data.write_bytes(b"".join(orjson.dumps({"input_ids": ids}) + b"\n" for ids in prompts))
+    assert procs.run("enqueue", data, "--max-new-tokens", "50").returncode == 0
+    keys = Keys(namespace)
+    record_id = f"lost-{poison}"
+    # The error's stream entry in the request, as redis-py writes its words (RESP).
+    proxy = Proxy(urlsplit(redis_url).port).start()
+    proxy.lose_reply(b"$5\r\nerror\r\n$2\r\nid\r\n$%d\r\n%s\r\n" % (len(record_id), record_id.encode()))
+    try:
+        worker = procs.start(
+            "worker", "--server", sim, "--concurrency", "4", "--burst",
+            env={"GENQ_REDIS_URL": f"redis://127.0.0.1:{proxy.port}/0"},
+        )  # fmt: skip
+        assert worker.wait(120) == 0, log_of(worker)
+    finally:
+        proxy.stop()
+    assert proxy.lost.is_set(), "no reply was lost: the scenario did not happen"
+    assert proxy.sent >= 2, "the commit whose reply was lost was not sent again"
+    entries = Counter(e[b"id"].decode() for _, e in conn.xrange(keys.results("lost")))
+    assert entries == Counter(f"lost-{row}" for row in range(20)), "a job's ending entered the stream twice"
+    assert int(conn.hget(keys.in_stream, "lost")) == 20
+    queue = Queue(keys.queue_name("lost"), connection=conn, serializer="json")
+    assert queue.failed_job_registry.get_job_ids() == [keys.job_id(record_id)]
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    errors = read_jsonl(out / "lost" / "errors.jsonl")
+    assert [(e["row"], e["error"]) for e in errors] == [(poison, "bad_request")]
+    check_records(
+        out, "lost", prompts, {"max_new_tokens": 50}, skip_rows=frozenset({poison}), min_len=8, max_len=32
+    )

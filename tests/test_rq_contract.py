@@ -83,6 +83,8 @@ def _state(conn, queue, job_id: str) -> dict:
         "executions": [(k.replace(job_id, "JOB").split(":", 3)[:3], shape(k)["type"]) for k in keys],
         "started": [m.split(":")[0] for m in queue.started_job_registry.get_job_ids(cleanup=False)],
         "finished": queue.finished_job_registry.get_job_ids(cleanup=False),
+        "failed": queue.failed_job_registry.get_job_ids(cleanup=False),
+        "results": [r.type.name for r in job.results()],
         "status": job.get_status(),
     }
 
@@ -93,6 +95,7 @@ def _normalize(state: dict, job_id: str, worker: str) -> dict:
     state["job"] = {k: ("WORKER" if v == worker else v) for k, v in state["job"].items()}
     state["started"] = ["JOB" if m == job_id else m for m in state["started"]]
     state["finished"] = ["JOB" if m == job_id else m for m in state["finished"]]
+    state["failed"] = ["JOB" if m == job_id else m for m in state["failed"]]
     return state
 
 
@@ -174,11 +177,141 @@ def test_genq_takes_and_finishes_jobs_writing_what_rqs_own_worker_writes(conn, n
     done_ours = _normalize(_state(conn, queue, ours.job_id), ours.job_id, rq_worker.name)
     for state in (done_theirs, done_ours):
         state["finished"] = ["JOB"]
+    assert (
+        done_theirs.pop("results") == ["SUCCESSFUL"] and done_ours.pop("results") == []
+    )  # the Result stream
     assert done_ours == done_theirs
     assert done_ours["status"] == "finished" and done_ours["job_expires"] and done_ours["started"] == []
     assert conn.exists(f"rq:results:{theirs.id}") and not conn.exists(f"rq:results:{ours.job_id}")
     assert int(conn.hget(rq_worker.key, "successful_job_count")) == 2
     assert conn.hget(rq_worker.key, "current_job") is None
+
+
+def _taken(conn, namespace: str, queue, worker_name: str, keys):
+    """One job of ``queue`` started by genq's take script, as the worker holds it."""
+    from genq.clock import RedisClock
+    from genq.schema import JobSpec
+    from worker import rq_batch
+    from worker.rq_worker import Taken
+
+    script = conn.register_script(rq_batch.TAKE)
+    take_keys = (f"rq:worker:{worker_name}", keys.crashes, keys.attempts)
+    _, popped = rq_batch.take(
+        script,
+        [(queue, keys.results("contract"))],
+        1,
+        worker_name,
+        take_keys,
+        100,
+        60,
+        at=RedisClock(conn).now(),
+    )
+    p = popped[0]
+    return Taken(p.job, p.queue, p.execution, JobSpec.from_kwargs(p.job.kwargs), charged=p.attempt)
+
+
+def _error(t) -> dict:
+    from genq.schema import error_record
+
+    spec = t.spec
+    return error_record(
+        id=spec.id,
+        dataset=spec.dataset,
+        row=spec.row,
+        sample=spec.sample,
+        source_id=None,
+        error="server_timeout",
+        message="Request running timeout reached.",
+        status=503,
+        attempts=5,
+    )
+
+
+def _spec(namespace: str, row: int) -> dict:
+    return {"dataset": "contract", "row": row, "sample": 0, "id": f"contract-{row}", "sampling_params": {}}
+
+
+def test_genq_fails_a_job_in_one_step_writing_what_rqs_own_worker_writes(conn, namespace):
+    """A terminal failure is one script call (worker/rq_batch.py fail + APPLY) with its error's
+    stream entry, not RQ's handle_job_failure after the entry: RQ must read the same failed state
+    back as its own worker leaves, and the stream must hold the error."""
+    from rq import Queue
+    from rq.executions import Execution
+
+    from genq.keys import Keys
+    from genq.schema import KIND_ERROR
+    from worker.rq_worker import Bookkeeper, Finished
+
+    keys = Keys(namespace)
+    queue = Queue(f"{namespace}.contract", connection=conn, serializer="json")
+    for row, name in ((0, "theirs"), (1, "ours")):
+        queue.enqueue_call(
+            "genq.jobs.generate", kwargs=_spec(namespace, row), job_id=f"{namespace}-{name}", result_ttl=60
+        )
+    books = Bookkeeper(conn, keys, 60, "http://sim")
+    books.register_birth()
+
+    theirs = queue.dequeue_any([queue], None, connection=conn, serializer=queue.serializer)[0]
+    with conn.pipeline() as pipe:
+        execution = Execution.create(theirs, 60, pipeline=pipe, worker_name=books.name)
+        theirs.prepare_for_execution(books.name, pipeline=pipe)
+        pipe.execute()
+    conn.lrem(queue.intermediate_queue_key, 1, theirs.id)
+    theirs.ended_at = books.clock.now()
+    theirs.retries_left = 0  # a final verdict, as genq's always is (genq's jobs carry RQ retries)
+    books.execution = execution
+    books.handle_job_failure(theirs, queue, theirs.started_job_registry, exc_string="server_timeout: x")
+
+    ours = _taken(conn, namespace, queue, books.name, keys)
+    assert books.commit("token", [], [Finished(ours, KIND_ERROR, _error(ours))]) == []
+    failed_theirs = _normalize(_state(conn, queue, theirs.id), theirs.id, books.name)
+    failed_ours = _normalize(_state(conn, queue, ours.job.id), ours.job.id, books.name)
+    for state in (failed_theirs, failed_ours):
+        state["failed"] = ["JOB"]
+        state["job"].pop("exc_info", None)  # the message differs
+    assert failed_ours == failed_theirs
+    assert failed_ours["status"] == "failed" and failed_ours["results"] == ["FAILED"]
+    assert failed_ours["started"] == [] and failed_ours["executions"] == []
+    entries = conn.xrange(keys.results("contract"))
+    assert [(e[b"kind"], e[b"id"]) for _, e in entries] == [(KIND_ERROR, b"contract-1")]
+    assert int(conn.hget(books.key, "failed_job_count")) == 2
+
+
+def test_a_commit_sent_again_after_its_reply_was_lost_writes_nothing_twice(conn, namespace):
+    """A group commit whose reply was lost is sent again whole, with its token: the second call
+    charges no attempt, adds no stream entry, counts no job twice, and answers the first call's
+    attempt numbers. One group: a record, an error, and a send charged."""
+    from rq import Queue
+
+    from genq.keys import Keys
+    from genq.schema import KIND_ERROR, KIND_RECORD
+    from worker.rq_worker import Bookkeeper, Finished
+
+    keys = Keys(namespace)
+    queue = Queue(f"{namespace}.contract", connection=conn, serializer="json")
+    for row in range(3):
+        queue.enqueue_call(
+            "genq.jobs.generate", kwargs=_spec(namespace, row), job_id=f"{namespace}-{row}", result_ttl=60
+        )
+    books = Bookkeeper(conn, keys, 60, "http://sim")
+    books.register_birth()
+    done, failed, charged = (_taken(conn, namespace, queue, books.name, keys) for _ in range(3))
+    group = [Finished(done, KIND_RECORD, {"id": done.spec.id}), Finished(failed, KIND_ERROR, _error(failed))]
+
+    first = books.commit("group-1", [charged.job.id], group)
+    again = books.commit("group-1", [charged.job.id], group)
+    assert first == again == [2]  # its first send charged at the take, this one second
+    assert int(conn.hget(keys.attempts, charged.job.id)) == 2
+    kinds = sorted(e[b"kind"] for _, e in conn.xrange(keys.results("contract")))
+    assert kinds == [KIND_ERROR, KIND_RECORD]
+    assert int(conn.hget(keys.in_stream, "contract")) == 2
+    assert int(conn.hget(books.key, "failed_job_count")) == 1
+    assert int(conn.hget(books.key, "successful_job_count")) == 1
+    assert [r.type.name for r in failed.job.results()] == ["FAILED"]
+    assert queue.failed_job_registry.get_job_ids() == [failed.job.id]
+    assert queue.finished_job_registry.get_job_ids() == [done.job.id]
+    # A new group (a new token) is applied as usual.
+    assert books.commit("group-2", [charged.job.id], []) == [3]
 
 
 def test_jobs_pushed_by_genq_read_back_as_rqs_enqueue_many_writes_them(conn, redis_url, namespace):

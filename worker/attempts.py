@@ -22,14 +22,14 @@ from typing import Any
 from genq.backends import Answer
 from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
-from genq.schema import JobSpec, error_record
+from genq.schema import KIND_ERROR, JobSpec, error_record
 from worker import metrics
 from worker.commits import GroupCommit
 from worker.concurrency import Concurrency
 from worker.config import WorkerConfig
 from worker.gate import ServerGate
 from worker.probation import Probation
-from worker.rq_worker import Bookkeeper, Taken
+from worker.rq_worker import Bookkeeper, Finished, Taken
 
 log = logging.getLogger("genq.worker")
 
@@ -211,6 +211,15 @@ class Attempts:
             # The server answered other jobs while this one was in flight: its failure is this
             # prompt's own (SGLang's "Request running timeout reached." for a long generation).
             return None
+        if cost is Cost.SERVER and not exc.down and await self.gate.answered_through(life):
+            # The server said it is up and worked on this prompt (a 503 after work), and nothing
+            # else was answered to judge by (the run's last job): the server itself judges.
+            # SGLang's /health runs a one-token generation and answers 200 once the scheduler
+            # answers (python/sglang/srt/entrypoints/http_server.py, health_generate, 0.5.x);
+            # vLLM's answers 200 while its engine lives (vllm/entrypoints/serve/instrumentator/
+            # health.py), llama.cpp's once the model is loaded. Healthy: the prompt's own failure,
+            # charged, so its sends stay bounded by --max-attempts, not --max-spared.
+            return None
         if cost in (Cost.SERVER, Cost.REPLICA):
             return await self._spare(t, exc, attempt, life)
         await self.redis(self.books.spare, t.job.id, None)  # FREE or AUTH: no work was done
@@ -314,5 +323,5 @@ class Attempts:
         if turn is not None:
             error["turn"] = turn[0] + 1
         self._finish(t)
-        await self.redis(self.books.fail, t, error)
+        await self.commits.finish(Finished(t, KIND_ERROR, error))
         metrics.finished(t.spec.dataset, None)

@@ -1,24 +1,31 @@
 """Group commit: the Redis writes of many jobs in one round trip.
 
-A worker with a hundred jobs in flight charges an attempt before every send and hands over a
-result after every answer. Written one by one, that is a round trip each: Redis's CPU goes to
-reading and answering small requests, and on a slow network the jobs wait on the round trips. Here
-each write waits in a list; one task sends everything waiting as one MULTI, and while that MULTI
-is on its way the next group gathers. A group also waits LINGER_S for company: a finished job has
-already given its slot to the next (worker/daemon.py), so that wait delays only the record's
-arrival in the stream, and first attempts are charged when the job is taken.
+A worker with a hundred jobs in flight charges an attempt before every send and hands over a result
+after every answer. Written one by one, that is a round trip each: Redis's CPU goes to reading and
+answering small requests, and on a slow network the jobs wait on the round trips. Here each write
+waits in a list; one task sends everything waiting as one script call (worker/rq_batch.py APPLY),
+and while that call is on its way the next group gathers. A group also waits LINGER_S for company:
+a finished job has already given its slot to the next (worker/daemon.py), so that wait delays only
+the record's arrival in the stream, and first attempts are charged when the job is taken.
+
+Each group carries a token of its own: a group whose reply was lost (the connection dropped after
+Redis applied it) is sent again whole by the caller's retry, and the token makes that second
+call answer the first one's attempts without charging or writing anything twice
+(worker/rq_batch.py APPLY). The next group is sent only once this one has landed, so one token
+per worker is all Redis keeps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Awaitable, Callable
 
 from worker.rq_worker import Finished
 
 LINGER_S = 0.025
 
-Commit = Callable[[list[str], list[Finished]], Awaitable[list[int]]]
+Commit = Callable[[str, list[str], list[Finished]], Awaitable[list[int]]]
 
 
 class GroupCommit:
@@ -38,7 +45,8 @@ class GroupCommit:
         return await future
 
     async def finish(self, ending: Finished) -> None:
-        """Hand a result (or error) over and finish the job in RQ; returns once it is in Redis."""
+        """Hand a result (or error) over and finish (or fail) the job in RQ, in one step; returns
+        once it is in Redis."""
         future = asyncio.get_running_loop().create_future()
         self._finished.append((ending, future))
         self._waiting.set()
@@ -53,7 +61,8 @@ class GroupCommit:
             finished, self._finished = self._finished, []
             futures = [f for _, f in charges] + [f for _, f in finished]
             try:
-                attempts = await self._commit([c for c, _ in charges], [e for e, _ in finished])
+                token = uuid.uuid4().hex
+                attempts = await self._commit(token, [c for c, _ in charges], [e for e, _ in finished])
             except asyncio.CancelledError:
                 for future in futures:
                     future.cancel()

@@ -69,7 +69,7 @@ class Worker:
         self._take_s: deque[float] = deque([0.0], maxlen=16)
         self._ended: deque[float] = deque(maxlen=256)  # when the last jobs ended: the rate slots free
         self.outage = Outage(log)  # Redis unreachable or refusing: no new job starts meanwhile
-        self._commits = GroupCommit(lambda charges, ends: self.redis(self.books.commit, charges, ends))
+        self._commits = GroupCommit(lambda *group: self.redis(self.books.commit, *group))
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._signals = 0

@@ -4,9 +4,10 @@ RQ's worker takes and finishes one job at a time in several round trips each (rq
 ``Queue.dequeue_any`` + ``Execution.create`` + ``Job.prepare_for_execution`` to start,
 ``BaseWorker.handle_job_success`` with its WATCH, ``Job._handle_success``, ``Result.create`` and
 ``cleanup_execution`` to finish). A genq worker keeps a hundred jobs in flight, so it writes the
-same keys itself: one script call takes a batch of jobs, one MULTI finishes a batch. What `rq
-info`, rq-dashboard and RQ's abandoned-job cleanup read is what RQ would have written
-(tests/test_rq_contract.py compares the two). Left out, as genq jobs never use them: dependents
+same keys itself: one script call takes a batch of jobs, one script call (:data:`APPLY`) ends a
+batch, records and errors alike. What `rq info`, rq-dashboard and RQ's abandoned-job cleanup read
+is what RQ would have written (tests/test_rq_contract.py compares the two, for a success and for a
+failure). Left out, as genq jobs never use them: dependents
 (enqueue sets no ``depends_on``), repeats, and the ``Result`` stream (the record is the result; RQ
 keeps ``{"tokens": n}`` nowhere).
 """
@@ -27,6 +28,7 @@ from rq.defaults import DEFAULT_RESULT_TTL
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.utils import utcformat
+from rq.worker import BaseWorker
 
 # KEYS: worker hash, crashes hash, attempts hash, then (queue, started registry, the dataset's
 # result stream) triples in the order to take from. ARGV: stream limit, how many, worker name, the
@@ -185,9 +187,9 @@ def heartbeat(
 
 
 def finish(pipe: Pipeline, worker_key: str, jobs: list[tuple[Job, Execution]], ended_at: datetime) -> None:
-    """What ``handle_job_success`` writes for each job (rq/worker/base.py), into ``pipe`` (a MULTI):
-    the job finished and kept for its result_ttl in the finished registry, its execution gone from
-    the started registry, and the worker's counters."""
+    """What ``handle_job_success`` writes for each job (rq/worker/base.py), into ``pipe`` (run as
+    one step by :func:`apply`): the job finished and kept for its result_ttl in the finished
+    registry, its execution gone from the started registry, and the worker's counters."""
     by_queue: dict[str, list[tuple[Job, Execution]]] = defaultdict(list)
     for job, execution in jobs:
         by_queue[job.origin].append((job, execution))
@@ -206,3 +208,65 @@ def finish(pipe: Pipeline, worker_key: str, jobs: list[tuple[Job, Execution]], e
     pipe.hincrby(worker_key, "successful_job_count", len(jobs))
     pipe.hincrbyfloat(worker_key, "total_working_time", working)
     pipe.hdel(worker_key, "current_job")
+
+
+def fail(pipe: Pipeline, worker: BaseWorker, job: Job, execution: Execution, exc_string: str) -> None:
+    """What ``handle_job_failure`` writes for a job that is not retried (rq/worker/base.py), by
+    RQ's own calls, into ``pipe``: RQ's method executes its own pipeline twice, so a crash between
+    those and the error's stream entry would leave the job half ended. ``job`` is read whole
+    (``Job.refresh``: RQ saves the whole hash), with ``retries_left`` 0 and ``ended_at`` set."""
+    job.set_status(JobStatus.FAILED, pipeline=pipe)
+    worker.set_current_job_id(None, pipeline=pipe)  # rq/executions.py cleanup_execution
+    execution.delete(job=job, pipeline=pipe)
+    job._handle_failure(
+        exc_string,
+        pipeline=pipe,
+        worker_name=worker.name,
+        execution_id=execution.id,
+        execution_started_at=execution.created_at,
+        execution_ended_at=job.ended_at,
+    )
+    worker.increment_failed_job_count(pipe)
+    if job.started_at and job.ended_at:
+        worker.increment_total_working_time(job.ended_at - job.started_at, pipe)
+
+
+# KEYS: the worker's last-commit hash (keys.committed), the attempts hash. ARGV: the commit's
+# token, the hash's TTL, how many sends are charged, their job ids, then each command as its number
+# of words and the words. One script, so a group of endings is written whole or not at all (a MULTI
+# would be too), and applied once: a commit sent again after its reply was lost finds its token and
+# answers what it charged the first time, without writing anything again. One token suffices: a
+# worker sends its next group only once the last one has landed (worker/commits.py). A command has
+# at most 2 × --max-concurrency + 2 words, under Lua's unpack limit (8,000).
+APPLY = """
+local token, n = ARGV[1], tonumber(ARGV[3])
+if redis.call('HGET', KEYS[1], 'token') == token then
+  return {1, redis.call('HGET', KEYS[1], 'attempts')}
+end
+local attempts = {}
+for i = 4, 3 + n do table.insert(attempts, redis.call('HINCRBY', KEYS[2], ARGV[i], 1)) end
+local i = 4 + n
+while i <= #ARGV do
+  local words = tonumber(ARGV[i])
+  redis.call(unpack(ARGV, i + 1, i + words))
+  i = i + 1 + words
+end
+local charged = table.concat(attempts, ',')
+redis.call('HSET', KEYS[1], 'token', token, 'attempts', charged)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return {0, charged}
+"""
+COMMITTED_TTL_S = 86_400  # past any Redis outage a worker rides out while resending its commit
+
+
+def apply(script: Script, keys: tuple[str, str], token: str, charges: list[str], pipe: Pipeline) -> list[int]:
+    """Charge a send to each job of ``charges`` and run the commands queued in ``pipe`` (which is
+    never executed), in one call of :data:`APPLY` (registered on the connection), once per
+    ``token``. ``keys``: the worker's last-commit hash and the attempts hash. Returns the charged
+    jobs' attempt numbers (the first call's, when the commit was applied already)."""
+    words: list = []
+    for args, _ in pipe.command_stack:
+        words += [len(args), *args]
+    pipe.reset()
+    _, charged = script(keys=list(keys), args=[token, COMMITTED_TTL_S, len(charges), *charges, *words])
+    return [int(n) for n in charged.split(b",")] if charged else []

@@ -1,16 +1,16 @@
 """RQ bookkeeping for many jobs in flight in one process (decision 1).
 
 RQ's ``BaseWorker`` holds a single ``execution``; this subclass gives each in-flight job its
-own :class:`rq.executions.Execution`. Jobs are taken and finished in batches, writing RQ's keys
-as RQ's worker does (worker/rq_batch.py); the rare failure goes through RQ's own
-``handle_job_failure``, with ``self.execution`` pointed at the job's just before, under a lock.
-Every method here is synchronous and runs on a thread of the worker's: takes and maintenance each
-on their own (so neither waits behind the other's round trips on a slow link), everything else on
-one, in order (heartbeats and hand-overs must not overtake each other).
+own :class:`rq.executions.Execution`. Jobs are taken and ended (finished or failed) in batches,
+writing RQ's keys as RQ's worker does (worker/rq_batch.py); a payload genq cannot read goes
+through RQ's own ``handle_job_failure``, with ``self.execution`` pointed at the job's just before,
+under a lock. Every method here is synchronous and runs on a thread of the worker's: takes and
+maintenance each on their own (so neither waits behind the other's round trips on a slow link),
+everything else on one, in order (heartbeats and hand-overs must not overtake each other).
 
 RQ internals relied on (pinned ``rq==2.12.*``): the keys of worker/rq_batch.py,
-``Execution.heartbeat`` / ``delete``, ``handle_job_failure``, ``StartedJobRegistry.cleanup`` for
-abandoned jobs, ``IntermediateQueue.cleanup``.
+``Execution.heartbeat`` / ``delete``, ``handle_job_failure`` and the calls it makes,
+``StartedJobRegistry.cleanup`` for abandoned jobs, ``IntermediateQueue.cleanup``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 
 import redis
 from rq import Queue, worker_registration
+from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job
 from rq.worker import BaseWorker, WorkerStatus
@@ -99,6 +100,7 @@ class Bookkeeper(BaseWorker):
         self._rotation = 0
         self._take_script = conn.register_script(rq_batch.TAKE)
         self.clock = RedisClock(conn)  # every time this worker writes for other hosts to compare
+        self._apply_script = conn.register_script(rq_batch.APPLY)
         self._rq_lock = threading.Lock()  # RQ's single ``execution``, swapped for a failure
 
     def log_context(self, t: Taken | None = None) -> dict[str, Any]:
@@ -126,7 +128,7 @@ class Bookkeeper(BaseWorker):
         self.set_state(WorkerStatus.IDLE)
 
     def stop(self) -> None:
-        self.connection.delete(self.keys.retrying(self.name))
+        self.connection.delete(self.keys.retrying(self.name), self.keys.committed(self.name))
         self.register_death()
 
     def refresh_queues(self) -> None:
@@ -261,24 +263,38 @@ class Bookkeeper(BaseWorker):
             pipe.expire(key, self.heartbeat_ttl)
             pipe.execute()
 
-    def commit(self, charges: list[str], finished: list[Finished]) -> list[int]:
-        """A group of writes in one MULTI (the worker's group commit, worker/commits.py): a send
-        charged to each job of ``charges`` before it goes out, so the budget holds across workers
-        (and a worker that dies mid-send has used it); and results handed to the collector, each
-        job finished as RQ finishes it. Returns the charged jobs' attempt numbers."""
-        with self.connection.pipeline() as pipe:
-            for job_id in charges:
-                pipe.hincrby(self.keys.attempts, job_id, 1)
-            if finished:
-                self._hand_over(pipe, finished)
-                at = self.clock.now()
-                for f in finished:
-                    f.taken.job.ended_at = at
-                rq_batch.finish(pipe, self.key, [(f.taken.job, f.taken.execution) for f in finished], at)
-            counts = pipe.execute()
+    def commit(self, token: str, charges: list[str], finished: list[Finished]) -> list[int]:
+        """A group of writes in one script call (the worker's group commit, worker/commits.py): a
+        send charged to each job of ``charges`` before it goes out, so the budget holds across
+        workers (and a worker that dies mid-send has used it); and endings handed to the collector,
+        each job finished (a record) or failed (an error) as RQ does it, its stream entry and its
+        RQ state in the same step, so no crash leaves one without the other. Sent again with the
+        same ``token`` (its reply was lost), it writes nothing twice (rq_batch.APPLY). Returns the
+        charged jobs' attempt numbers."""
+        at = self.clock.now()
+        records = [f for f in finished if f.kind != KIND_ERROR]
+        errors = [f for f in finished if f.kind == KIND_ERROR]
+        for f in list(errors):
+            try:
+                f.taken.job.refresh()  # RQ saves the whole job
+            except NoSuchJobError:  # deleted by hand meanwhile: only its error entry is left to write
+                errors.remove(f)
+            f.taken.job.retries_left = 0  # ours is a final verdict: RQ must not requeue it
+        for f in finished:
+            f.taken.job.ended_at = at
+        pipe = self.connection.pipeline()
+        if finished:
+            self._hand_over(pipe, finished)
+        if records:
+            rq_batch.finish(pipe, self.key, [(f.taken.job, f.taken.execution) for f in records], at)
+        for f in errors:
+            why = f"{f.data['error']}: {f.data['message']}"
+            rq_batch.fail(pipe, self, f.taken.job, f.taken.execution, why)
+        keys = (self.keys.committed(self.name), self.keys.attempts)
+        attempts = rq_batch.apply(self._apply_script, keys, token, charges, pipe)
         for f in finished:
             f.taken.handed_over = True
-        return [int(n) for n in counts[: len(charges)]]
+        return attempts
 
     def spare(self, job_id: str, counter: str | None) -> int:
         """Take back the send charged by :meth:`attempt` and count it in ``counter`` (``spared``
@@ -309,23 +325,6 @@ class Bookkeeper(BaseWorker):
             self.connection.hdel(self.keys.crashes, *job_ids)
 
     # -- endings ----------------------------------------------------------------------------
-
-    def fail(self, t: Taken, error: dict) -> None:
-        """A terminal failure (rare): the error goes to the collector, the job to RQ's failed
-        registry by RQ's own code."""
-        with self.connection.pipeline() as pipe:
-            self._hand_over(pipe, [Finished(t, KIND_ERROR, error)])
-            pipe.execute()
-        t.handed_over = True
-        t.job.refresh()  # RQ saves the whole job
-        t.job.ended_at = self.clock.now()
-        t.job.retries_left = 0  # ours is a final verdict: RQ must not requeue it
-        with self._rq_lock:
-            self.execution = t.execution
-            self.handle_job_failure(
-                t.job, t.queue, t.job.started_job_registry, exc_string=f"{error['error']}: {error['message']}"
-            )
-            self.execution = None
 
     def _hand_over(self, pipe, finished: list[Finished]) -> None:
         """Add results to the stream, counted per dataset, and forget the jobs' attempt counters."""
