@@ -134,6 +134,26 @@ def test_a_removed_logprobs_file_is_reconciled_once_and_the_other_dataset_keeps_
     assert res.stderr.count("is missing while its checkpoint") == 1, res.stderr
 
 
+def test_a_file_that_does_not_match_its_checkpoint_sets_its_dataset_aside_once(
+    procs, start_sim, out, tmp_path
+):
+    """A line past a's checkpoint that is not one of its results: a is set aside with one error
+    line (its results wait in Redis), b drains, and --burst exits 5 instead of waiting forever."""
+    url = start_sim()
+    _produce(procs, url, tmp_path, 20)
+    assert procs.run("collect", "--out", out, "--burst", timeout=60).returncode == 0
+    raw = out / "a" / "raw_responses.jsonl"
+    with raw.open("ab") as fh:
+        fh.write(b'{"note": "another tool wrote here"}\n')
+    a, b = _produce(procs, url, tmp_path, 40)
+    res = procs.run("collect", "--out", out, "--burst", timeout=60)
+    assert res.returncode == 5, res.stderr
+    assert res.stderr.count("dataset a set aside") == 1 and "is not a result of dataset a" in res.stderr
+    check_records(out, "b", b, {"max_new_tokens": 50})
+    assert len(read_jsonl(raw)) == 21, "a's file is left as it was"
+    assert status_json(procs)["stream"]["collectors"].get("a") is None, "its lease is given up"
+
+
 # Stops the collector it is loaded into (PYTHONPATH) just before its first write to
 # raw_responses.jsonl, after every check it makes before writing: the seam is the write (or
 # flush) called by collector/files.py Appender.sync, seen by a profile hook.
