@@ -7,7 +7,9 @@ import math
 
 import pytest
 
+from genq.keys import Keys
 from genq.logprobs import F16_MAX, FILE, FLAG_CLAMPED, FLAG_NULL, LogProbs, frames, pack, valid_end
+from genq.schema import ENTRY_LOGPROBS
 from sim.model import logprobs as sim_logprobs
 from tests.helpers import (
     check_records,
@@ -80,6 +82,36 @@ def test_null_and_out_of_range_logprobs_are_stored_as_data(procs, start_sim, out
         assert lp.token[1:] == pytest.approx(token[1:], abs=1e-6)
         assert lp.top[0][0] == F16_MAX and lp.top_ids[0][0] == top[0][0][0], "1e6: clamped"
         assert lp.top[-1][-1] == -F16_MAX and lp.top_ids[-1][-1] == top[-1][-1][0], "-1e6: clamped"
+
+
+def test_a_bad_frame_from_redis_costs_the_frame_not_the_record(
+    procs, start_sim, out, tmp_path, conn, namespace
+):
+    """Frames come from Redis, untrusted: one whose payload is corrupt and one that is another
+    record's reach the collector. Neither is written (the frames after them stay readable), each
+    record lands saying why it has none, with one error line each."""
+    url = start_sim()
+    data = tmp_path / "bad.jsonl"
+    prompts = write_prompts(data, 30)
+    assert procs.run("enqueue", data, "--max-new-tokens", "100", "--logprobs", str(K)).returncode == 0
+    assert procs.run("worker", "--server", url, "--burst").returncode == 0
+    stream = Keys(namespace).results("bad")
+    entries = conn.xrange(stream)
+    (first_id, first), (second_id, second), (_, third) = entries[:3]
+    lp = ENTRY_LOGPROBS.encode()
+    corrupt = first[lp][:-1] + bytes([first[lp][-1] ^ 0xFF])  # its CRC no longer matches
+    for entry_id, fields, frame in ((first_id, first, corrupt), (second_id, second, third[lp])):
+        conn.xdel(stream, entry_id)
+        conn.xadd(stream, {**fields, lp: frame})
+    res = procs.run("collect", "--out", out, "--burst")
+    assert res.returncode == 0, res.stderr
+    records = check_records(out, "bad", prompts, {"max_new_tokens": 100})
+    bad = {first[b"id"].decode(), second[b"id"].decode()}
+    assert res.stderr.count("logprobs frame of") == 2, res.stderr
+    for r in records:
+        if r["id"] in bad:
+            assert "CRC32" in r["logprobs"]["error"] or "not of" in r["logprobs"]["error"], r["logprobs"]
+    check_frames(out, "bad", [r for r in records if r["id"] not in bad])
 
 
 def test_collector_kills_leave_one_frame_per_record(procs, start_sim, out, tmp_path):
