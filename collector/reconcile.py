@@ -1,16 +1,20 @@
 """Reconciling a dataset's files with Redis, when a collector takes the dataset over.
 
 Lines past the last checkpoint may be on disk with their ids unmarked (a crash between the fsync
-and the commit, or a Redis that lost writes). This module owns re-reading them: torn tails cut,
-ids marked and token counts added a chunk at a time with the checkpoint move, and logprobs frames
-cut from the first one whose record is not on disk.
+and the commit, or a Redis that lost writes), or be another writer's late copies (an old lease
+holder that resumed after a takeover). This module owns re-reading them, once per reason: torn
+tails cut, copies of ids already on disk dropped, ids marked and token counts added a chunk at a
+time with the checkpoint move, and only the frames of the records just marked kept, one each. A
+file missing or shorter than its checkpoint is re-read from its start (a missing logprobs.bin is
+started afresh); one whose lines are not results of the dataset is Unreadable.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import redis
@@ -200,28 +204,58 @@ class Reconciler:
         return size, seen
 
     def _drop_copies(self, name: str, kind: bytes, path: Path, offset: int, size: int, done: bytes) -> int:
-        """Drop the lines past the checkpoint whose id is on disk already: the writer never appends
-        those (decision 4), so they are another process's (an old lease holder that resumed late);
-        the file's new size."""
+        """Drop the lines past the checkpoint that are byte for byte a line before them: the
+        writer never appends an id already on disk (decision 4), so such a copy is another
+        process's (an old lease holder that resumed late with the same batch). Only lines whose id
+        is marked, or repeats past the checkpoint, are looked for, so the common case reads
+        nothing more; a lost checkpoint (every line past it) drops nothing that is not a copy.
+        The file's new size."""
+        if offset >= size:
+            return size
         failed = (self.conn.get(self.keys.failed(name)) or b"") if kind == KIND_ERROR else b""
         samples = self.samples(name)
-        keep: list[tuple[int, int]] = []
+        digests = {start: line for start, _, line in _lines(path, offset, size)}
+        tail: list[tuple[int, int, bytes]] = []
+        suspects: set[bytes] = set()
         seen: set[int] = set()
         for start, end, obj in scan(path, offset):
             index = _index(path, start, obj, name, samples)
-            if index not in seen and not is_set(done, index) and not is_set(failed, index):
-                keep.append((start, end))
+            line = digests[start]
+            if index in seen or is_set(done, index) or is_set(failed, index):
+                suspects.add(line)
             seen.add(index)
+            tail.append((start, end, line))
+        if not suspects:
+            return size
+        earlier = {line for start, end, line in _lines(path, 0, offset) if line in suspects}
+        keep = []
+        for start, end, line in tail:
+            if line not in earlier:
+                keep.append((start, end))
+                earlier.add(line)
         new = self._cut(name, path, offset, keep, size)
         if new != size:
             log.warning(
-                "%s: dropped %d bytes of lines past the checkpoint whose ids were on disk already "
+                "%s: dropped %d bytes of lines past the checkpoint that were on disk already "
                 "(written late by a collector that had lost its lease?)",
                 path,
                 size - new,
                 extra={"dataset": name},
             )
         return new
+
+
+def _lines(path: Path, start: int, end: int) -> Iterator[tuple[int, int, bytes]]:
+    """(start, end, digest) of each line between two offsets."""
+    with path.open("rb") as fh:
+        fh.seek(start)
+        pos = start
+        while pos < end:
+            line = fh.readline()
+            if not line:
+                return
+            yield pos, pos + len(line), hashlib.blake2b(line, digest_size=16).digest()
+            pos += len(line)
 
 
 def _index(path: Path, start: int, obj: dict, name: str, samples: int) -> int:

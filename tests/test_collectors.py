@@ -202,7 +202,7 @@ def test_an_old_holder_appending_after_a_takeover_duplicates_nothing(
     wait_until(lambda: len(written_lines(raw)) == n, 30, "the old holder's late copies dropped")
     assert stop(new) == 0, log_of(new)
     check_records(out, "t", prompts, {"max_new_tokens": 50})
-    assert "ids were on disk already" in log_of(new)
+    assert "that were on disk already" in log_of(new)
     checkpoint = int(conn.hget(keys.collector_offsets, str(raw)))
     assert checkpoint == raw.stat().st_size and len(read_jsonl(raw)) == n
     assert status_json(procs)["datasets"]["t"]["done"] == n
