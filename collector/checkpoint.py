@@ -11,31 +11,45 @@ So the checkpoint offsets double as a sequence number: every commit that appends
 offset, and a commit applies only if each offset still holds the value this collector last gave
 it — checked and applied in one script, atomically. A commit refused (``Stale``) means Redis lost
 this collector's writes: the files past the checkpoint it kept are read again into Redis.
+
+The same script fences on the leases (decision 11): a commit applies only while every dataset it
+touches is leased to this collector. A collector stopped after its last self-check (SIGSTOP, a VM
+paused, a long GC) can still append once when it resumes, but never move a checkpoint or mark an
+id for it; the new holder finds those bytes past its checkpoint and drops or marks them
+(collector/reconcile.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import redis
 from redis.commands.core import CoreCommands
 
+from collector.leases import LeaseHeld
 from genq.bitmaps import set_bits
 from genq.keys import Keys
 from genq.schema import KIND_RECORD
 
-# ARGV: n, then n triples (field, expected, new), then commands, each its argument count and its
-# arguments. A field never set counts as 0. Lua's unpack stops near 8,000 values, so callers keep
-# each command well under that (genq/bitmaps.py splits its BITFIELDs).
+# KEYS: the offsets hash, then the lease keys of the datasets touched. ARGV: the lease id, n, then
+# n triples (field, expected, new), then commands, each its argument count and its arguments. A
+# field never set counts as 0. A lease another collector holds refuses the commit (-1); a lease
+# Redis forgot is lost writes like a checkpoint it forgot (0). Lua's unpack stops near 8,000
+# values, so callers keep each command well under that (genq/bitmaps.py splits its BITFIELDs).
 _COMMIT = """
-local n = tonumber(ARGV[1])
+for k = 2, #KEYS do
+  local holder = redis.call('get', KEYS[k])
+  if not holder then return 0 end
+  if holder ~= ARGV[1] then return -1 end
+end
+local n = tonumber(ARGV[2])
 for i = 0, n - 1 do
-  if (redis.call('hget', KEYS[1], ARGV[2 + 3 * i]) or '0') ~= ARGV[3 + 3 * i] then return 0 end
+  if (redis.call('hget', KEYS[1], ARGV[3 + 3 * i]) or '0') ~= ARGV[4 + 3 * i] then return 0 end
 end
 for i = 0, n - 1 do
-  redis.call('hset', KEYS[1], ARGV[2 + 3 * i], ARGV[4 + 3 * i])
+  redis.call('hset', KEYS[1], ARGV[3 + 3 * i], ARGV[5 + 3 * i])
 end
-local i = 2 + 3 * n
+local i = 3 + 3 * n
 while i <= #ARGV do
   local count = tonumber(ARGV[i])
   redis.call(unpack(ARGV, i + 1, i + count))
@@ -63,11 +77,14 @@ class Commands(CoreCommands):
 
 
 class Checkpoints:
-    """The offsets hash of a namespace, moved only by ``commit``."""
+    """The offsets hash of a namespace, moved only by ``commit``, and only by the holder of the
+    leases of the datasets it touches (``lease_id``)."""
 
-    def __init__(self, conn: redis.Redis, key: str) -> None:
+    def __init__(self, conn: redis.Redis, keys: Keys, lease_id: str) -> None:
         self.conn = conn
-        self.key = key
+        self.keys = keys
+        self.key = keys.collector_offsets
+        self.lease_id = lease_id
         self._commit = conn.register_script(_COMMIT)
 
     def read(self, fields: list[str]) -> list[int]:
@@ -75,19 +92,31 @@ class Checkpoints:
         return [int(v or 0) for v in values]
 
     def commit(
-        self, moves: Mapping[str, tuple[int, int]], body: Callable[[Commands], None] | None = None
+        self,
+        moves: Mapping[str, tuple[int, int]],
+        body: Callable[[Commands], None] | None = None,
+        *,
+        fenced: Collection[str],
     ) -> None:
         """Set each field of ``moves`` from its first value to its second and run ``body``'s
-        commands, all at once, if every field still holds its first value; else ``Stale``."""
+        commands, all at once, if every field still holds its first value and this collector still
+        holds the lease of every dataset of ``fenced``; else ``Stale``, or ``LeaseHeld``."""
         commands = Commands()
         if body is not None:
             body(commands)
-        args: list[object] = [len(moves)]
+        args: list[object] = [self.lease_id, len(moves)]
         for field, (old, new) in moves.items():
             args += (field, old, new)
         for command in commands.stack:
             args += (len(command), *command)
-        if not self._commit(keys=[self.key], args=args):
+        leases = [self.keys.collector_lease(name) for name in sorted(fenced)]
+        applied = self._commit(keys=[self.key, *leases], args=args)
+        if applied == -1:
+            raise LeaseHeld(
+                f"not committing: another collector holds the lease of {', '.join(sorted(fenced))} "
+                f"in namespace {self.keys.namespace!r} (this one lost it)"
+            )
+        if not applied:
             raise Stale(f"checkpoints {sorted(moves)} are not where this collector left them")
 
 

@@ -70,7 +70,8 @@ def collect_command(
     collector whose datasets are all held waits as a standby and takes over any whose holder dies.
     SIGTERM finishes the batch in hand and exits 0. A disk that refuses writes is retried with
     backoff (nothing is acknowledged meanwhile); after --give-up-after seconds without progress the
-    collector exits with status 3.
+    collector exits with status 3. A dataset whose files do not match their checkpoints is set
+    aside with one error line, the others drain on, and the collector exits with status 5.
     """
     setup_logging(log_level, log_format)
     keys = Keys(namespace)
@@ -103,6 +104,12 @@ def collect_command(
     finally:
         collector.close()
     Loop(collector, [], give_up_after).call(collector.release_leases)
+    aside = f"; set aside: {', '.join(sorted(collector.set_aside))}" if collector.set_aside else ""
     log.info(
-        "collector: stopped (%d written, %d duplicates dropped)", collector.written, collector.duplicates
+        "collector: stopped (%d written, %d duplicates dropped%s)",
+        collector.written,
+        collector.duplicates,
+        aside,
     )
+    if collector.set_aside:
+        sys.exit(5)  # a dataset's results wait in Redis: its files need a look

@@ -99,20 +99,9 @@ class Leases:
         if not self.held or (not force and all(now - t < LEASE_TTL_S / 3 for t in self.held.values())):
             return set()
         names = list(self.held)
-        with self.conn.pipeline(transaction=False) as pipe:
-            for name in names:
-                self._renew(
-                    keys=[self.keys.collector_lease(name)], args=[self.lease_id, LEASE_TTL_S], client=pipe
-                )
-            replies = pipe.execute()
-        lost = [name for name, renewed in zip(names, replies, strict=True) if not renewed]
-        if lost:
-            raise LeaseHeld(
-                f"lost the collector lease of {', '.join(lost)} in namespace {self.keys.namespace!r}"
-            )
+        replies = self._renew_each(names)
         retaken = set()
         for name, renewed in zip(names, replies, strict=True):
-            self.held[name] = now
             if renewed == 2:
                 retaken.add(name)
                 log.warning(
@@ -139,6 +128,39 @@ class Leases:
                     f"not writing: the collector lease of {name} was last renewed {held:.0f} s ago and "
                     f"may lapse ({LEASE_TTL_S} s); another collector may take over its folder"
                 )
+
+    def confirm(self, names: Collection[str]) -> None:
+        """Ask Redis, not this process's clock, whether ``names`` are still this collector's, before
+        their files are reconciled: a collector stopped and resumed (SIGSTOP, a paused VM) has a
+        fresh-looking clock and a lapsed lease. Renews them; LeaseHeld if another holds one."""
+        self._renew_each(list(names))
+
+    def _renew_each(self, names: list[str]) -> list[int]:
+        """Renew the leases of ``names`` in one round trip (taking back any Redis forgot); each
+        one's reply (1 renewed, 2 taken again). LeaseHeld if another collector holds one."""
+        now = time.monotonic()
+        with self.conn.pipeline(transaction=False) as pipe:
+            for name in names:
+                self._renew(
+                    keys=[self.keys.collector_lease(name)], args=[self.lease_id, LEASE_TTL_S], client=pipe
+                )
+            replies = pipe.execute()
+        lost = [name for name, renewed in zip(names, replies, strict=True) if not renewed]
+        if lost:
+            raise LeaseHeld(
+                f"lost the collector lease of {', '.join(lost)} in namespace {self.keys.namespace!r}"
+            )
+        for name in names:
+            self.held[name] = now
+        return replies
+
+    def drop(self, name: str) -> None:
+        """Give up one dataset (set aside: its files cannot be reconciled)."""
+        with self.conn.pipeline(transaction=False) as pipe:
+            pipe.eval(_DELETE_IF, 1, self.keys.collector_ready(name), self.lease_id)
+            pipe.eval(_DELETE_IF, 1, self.keys.collector_lease(name), self.lease_id)
+            pipe.execute()
+        self.held.pop(name, None)
 
     def held_for(self, name: str) -> float:
         """Seconds since the lease of ``name`` was last renewed (infinite if not held)."""

@@ -58,6 +58,9 @@ class Loop:
                 if written < c.batch:
                     time.sleep(LINGER_S)
                 continue
+            # Idle: a file removed or cut by hand, or grown by a collector that lost its lease and
+            # resumed late, is reconciled now, not when its dataset's next result comes.
+            self.call(c.check_files)
             if time.monotonic() - self._last_reap > REAP_EVERY_S:
                 self.call(lambda: reap(c.conn, c.keys, REAP_EVERY_S))
                 self._last_reap = time.monotonic()

@@ -23,7 +23,7 @@ import redis
 
 from collector import metrics, rq_failed
 from collector.checkpoint import Checkpoints, Commands, Stale, mark
-from collector.files import Appender
+from collector.files import Appender, Foreign, Unreadable
 from collector.leases import Leases
 from collector.reconcile import Reconciler
 from genq import datasets as datasets_mod
@@ -31,6 +31,8 @@ from genq import token_counts
 from genq.bitmaps import get_bits
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS
+from genq.logprobs import check as check_frame
+from genq.logprobs import without_frame
 from genq.queues import count_unfinished, rq_queue
 from genq.schema import (
     ERRORS,
@@ -118,7 +120,12 @@ class Collector:
         # collector before a failure, or by the one that held the dataset before): read those first.
         self._unacked: set[str] = set()
         self._pending_checked = time.monotonic()
-        self.checkpoints = Checkpoints(conn, keys.collector_offsets)
+        # Each file's checkpoint as this collector last committed it: what it read back and
+        # verified, never the size of a file another process may still append to (decision 11).
+        self._verified: dict[str, int] = {}
+        # Datasets whose files could not be reconciled: reported once, left for the operator.
+        self.set_aside: set[str] = set()
+        self.checkpoints = Checkpoints(conn, keys, self.leases.lease_id)
         self.reconciler = Reconciler(
             conn,
             keys,
@@ -147,7 +154,9 @@ class Collector:
         held ones. Another live holder's lease is left alone: it lapses within LEASE_TTL_S if
         that collector is gone."""
         self._settings = datasets_mod.load_all(self.conn, self.keys)
-        names = [n for n in self._settings if n not in self.held and self._wants(n)]
+        names = [
+            n for n in self._settings if n not in self.held and self._wants(n) and n not in self.set_aside
+        ]
         if not names:
             return []
         taken = self.leases.take(names)
@@ -159,6 +168,9 @@ class Collector:
         return self.wanted is None or name in self.wanted
 
     def _take_over(self, name: str) -> None:
+        # Redis, not this process's clock, says the dataset is still ours: a collector stopped and
+        # resumed (SIGSTOP, a paused VM) has a fresh-looking clock and may have lost its lease.
+        self.leases.confirm([name])
         self.conn.delete(self.keys.collector_ready(name))
         try:
             self.conn.xgroup_create(self.keys.results(name), self.keys.results_group, id="0", mkstream=True)
@@ -166,9 +178,31 @@ class Collector:
             if "BUSYGROUP" not in str(exc):
                 raise
         self._unacked.add(name)
-        self.reconciler.dataset(name)
+        if not self._reconcile(name):
+            return
         self.conn.set(self.keys.collector_ready(name), self.lease_id)
         log.info("collector %s: holds dataset %s", self.lease_id, name, extra={"dataset": name})
+
+    def _reconcile(self, name: str) -> bool:
+        """Reconcile the files of ``name`` with Redis once (collector/reconcile.py), its open files
+        closed first; whether it is still held. One whose files cannot be read as its lines is set
+        aside with one error line, and every other dataset keeps draining."""
+        self._close_files(name)
+        try:
+            self._verified.update(self.reconciler.dataset(name))
+            return True
+        except Unreadable as exc:
+            log.error(
+                "dataset %s set aside: %s; its results wait in Redis: move the file aside and "
+                "restart the collector (the other datasets keep draining)",
+                name,
+                exc,
+                extra={"dataset": name},
+            )
+            self.set_aside.add(name)
+            self._unacked.discard(name)
+            self.leases.drop(name)
+            return False
 
     def _retake(self, name: str) -> None:
         """A lease Redis had lost, taken again: its files are re-read before the next write."""
@@ -190,9 +224,10 @@ class Collector:
         """Cut torn lines and mark in Redis every id on disk past the last checkpoint, for every
         dataset held (after a Redis failure: lines may be on disk whose ids were not marked)."""
         self._settings = datasets_mod.load_all(self.conn, self.keys)
+        self.leases.confirm(list(self.held))
         for name in list(self.held):
             self._unacked.add(name)
-            self.reconciler.dataset(name)
+            self._reconcile(name)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -246,6 +281,7 @@ class Collector:
         if not items:
             return 0
         started = time.monotonic()
+        self.check_files({item.dataset for item in items if item.dataset in self.held})
         placed = self._place(items)
         if not placed:
             return 0
@@ -255,16 +291,53 @@ class Collector:
             self._lost_writes(state.behind, by_dataset)
             return 0
         self.fence(by_dataset)  # right before the files are touched: the reads above may have waited on Redis
-        batch = self._append(placed, state.bits, by_dataset)
         try:
-            self.checkpoints.commit(batch.moves, lambda c: self._commit_body(c, placed, batch, state.now))
+            batch = self._append(placed, state.bits, by_dataset)
+        except Foreign as exc:
+            # Another process wrote to a file while this batch was (a collector that lost its lease
+            # resuming late): nothing is committed; the folder is read again, and the batch waits.
+            name = exc.path.parent.name
+            log.warning("%s: re-reading the files of %s", exc, name, extra={"dataset": name})
+            self._retake(name)
+            self._unacked.update(by_dataset)
+            return 0
+        try:
+            self.checkpoints.commit(
+                batch.moves, lambda c: self._commit_body(c, placed, batch, state.now), fenced=by_dataset
+            )
         except Stale:
             # Redis lost writes between the reads above and now: the lines just written are on
             # disk unmarked, and the files are read again into Redis before anything else.
             self._lost_writes(set(by_dataset), by_dataset)
             return 0
+        self._verified.update({field: new for field, (_, new) in batch.moves.items()})
         self._count(batch, started)
         return len(batch.to_mark)
+
+    def check_files(self, names: Collection[str] | None = None) -> None:
+        """Reconcile, once, each dataset (of ``names``, else every one held) whose files are not as
+        this collector left them: removed, replaced, cut, or grown by another writer. Before
+        anything more is written or committed for it; cheap (a stat per file)."""
+        for name in list(self.held if names is None else names):
+            why = self._changed(name)
+            if why is not None:
+                log.warning("%s: re-reading the files of %s", why, name, extra={"dataset": name})
+                self._retake(name)
+
+    def _changed(self, name: str) -> str | None:
+        for filename in (RAW, ERRORS, LOGPROBS):
+            f = self._files.get((name, filename))
+            if f is not None:
+                why = f.changed()
+                if why is not None:
+                    return why
+                continue
+            path = self.out / name / filename
+            size = path.stat().st_size if path.exists() else 0
+            verified = self._verified.get(str(path), 0)
+            if size != verified:
+                return f"{path} is {size} bytes, not the {verified} this collector verified"
+        return None
 
     def _place(self, items: list[Item]) -> Placed:
         """The items of known datasets, with their bit index; the others are logged and left in
@@ -281,6 +354,8 @@ class Collector:
                     extra={"dataset": name},
                 )
                 continue
+            if name in self.set_aside or name not in self.held:
+                continue  # left pending: its next holder reads it
             placed.append((item, name, bit_index(item.data["row"], item.data["sample"], settings.samples)))
         return placed
 
@@ -314,7 +389,7 @@ class Collector:
         """Append the lines (and frames) not on disk yet, then fsync; on OSError roll every file
         back to where the batch began and raise WriteFailed."""
         seen: set[tuple[str, int]] = set()
-        before = {key: f.synced_size for key, f in self._files.items()}  # where this batch began
+        before = self._verified  # where this batch begins: the last checkpoints
         to_mark = []
         new_records: dict[str, list[dict]] = {}
         duplicates = 0
@@ -325,21 +400,28 @@ class Collector:
                     duplicates += 1
                     continue
                 seen.add((name, index))
-                if item.logprobs is not None:  # before its line: a frame without a line is cut at start-up
-                    self._file(name, LOGPROBS).append_bytes(item.logprobs)
-                self._file(name, RAW if item.kind == KIND_RECORD else ERRORS).append(item.data)
+                data, frame = _checked(item)
+                if frame is not None:  # before its line: a frame without a line is cut at start-up
+                    self._file(name, LOGPROBS).append_bytes(frame)
+                self._file(name, RAW if item.kind == KIND_RECORD else ERRORS).append(data)
                 to_mark.append((name, item.kind, index))
                 if item.kind == KIND_RECORD:
-                    new_records.setdefault(name, []).append(item.data)
+                    new_records.setdefault(name, []).append(data)
             # Frames first, lines after: a crash between them leaves frames of records not on disk,
             # which the start-up cuts; never a record whose frame is missing.
             files = [(key, f) for key, f in self._files.items() if key[0] in by_dataset]
             files.sort(key=lambda kf: kf[1].path.name != LOGPROBS)
-            moves = {str(f.path): (before.get(key, f.opened_size), f.sync()) for key, f in files}
+            moves = {str(f.path): (before.get(str(f.path), 0), f.sync()) for _, f in files}
         except OSError as exc:
-            for key, f in self._files.items():
-                with contextlib.suppress(OSError):
-                    f.roll_back(before.get(key, f.opened_size))
+            # Every file back to where the batch began, but one another process wrote to: those
+            # bytes are not this collector's to cut (the reconciliation reads them).
+            foreign = exc.path if isinstance(exc, Foreign) else None
+            for f in self._files.values():
+                if f.path != foreign:
+                    with contextlib.suppress(OSError):
+                        f.roll_back(before.get(str(f.path), 0))
+            if foreign is not None:
+                raise
             raise WriteFailed(f"writing to {self.out} failed: {exc}") from exc
         return _Batch(to_mark, new_records, duplicates, moves)
 
@@ -372,15 +454,8 @@ class Collector:
     def _synced(self, name: str) -> dict[str, int]:
         """Each file of dataset ``name`` and the size this collector last committed as its checkpoint
         (what Redis holds unless it lost writes)."""
-        sizes = {}
-        for filename in (RAW, ERRORS, LOGPROBS):
-            path = self.out / name / filename
-            f = self._files.get((name, filename))
-            if f is not None:
-                sizes[str(path)] = f.synced_size
-            else:
-                sizes[str(path)] = path.stat().st_size if path.exists() else 0
-        return sizes
+        fields = [str(self.out / name / filename) for filename in (RAW, ERRORS, LOGPROBS)]
+        return {field: self._verified.get(field, 0) for field in fields}
 
     def _lost_writes(self, names: Collection[str], batch: Collection[str] = ()) -> None:
         """Redis does not hold this collector's last writes to ``names`` (it restarted from an older
@@ -402,7 +477,8 @@ class Collector:
     def _file(self, name: str, filename: str) -> Appender:
         """The open file ``filename`` of dataset ``name``, opened at its first write."""
         if (name, filename) not in self._files:
-            self._files[name, filename] = Appender(self.out / name / filename)
+            path = self.out / name / filename
+            self._files[name, filename] = Appender(path, self._verified.get(str(path), 0))
         return self._files[name, filename]
 
     # -- jobs RQ failed without a word from a worker ----------------------------------------
@@ -418,7 +494,11 @@ class Collector:
     def work_left(self) -> int:
         """Jobs of the datasets this collector is for that are queued or in flight, plus their
         entries in the streams (for --burst)."""
-        names = [n for n in datasets_mod.load_all(self.conn, self.keys) if self._wants(n)]
+        names = [
+            n
+            for n in datasets_mod.load_all(self.conn, self.keys)
+            if self._wants(n) and n not in self.set_aside
+        ]
         with self.conn.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.xlen(self.keys.results(name))
@@ -438,6 +518,27 @@ class Collector:
         appender = self._files.pop((name, filename), None)
         if appender is not None:
             appender.close()
+
+
+def _checked(item: Item) -> tuple[dict, bytes | None]:
+    """The record and its frame as they go to disk. A frame that is not whole, or not its
+    record's (genq/logprobs.py), would end the frames any reader can see: it is left out, with one
+    error line, and the record says why."""
+    if item.logprobs is None or item.kind != KIND_RECORD:
+        return item.data, None
+    meta = item.data.get("logprobs")
+    record_id = item.data.get("id")
+    why = check_frame(item.logprobs, record_id, meta.get("tokens") if isinstance(meta, dict) else None)
+    if why is None:
+        return item.data, item.logprobs
+    log.error(
+        "%s: the logprobs frame of %s is not stored: %s",
+        item.dataset,
+        record_id,
+        why,
+        extra={"dataset": item.dataset},
+    )
+    return {**item.data, "logprobs": without_frame(meta, why)}, None
 
 
 def _indexes_by_dataset(placed: Placed) -> dict[str, list[int]]:

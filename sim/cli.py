@@ -158,6 +158,12 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
 @_option("--fail-truncate", default=0.0, type=RATE, help="Rate of bodies cut off halfway.")
 @_option("--fail-nan", default=0.0, type=RATE, help="Rate of finish_reason matched 'NaN happened'.")
 @_option("--fail-duplicate", default=0.0, type=RATE, help="Rate of 400 'Duplicate request ID detected'.")
+@_option(
+    "--fail-wild-logprobs",
+    default=0.0,
+    type=RATE,
+    help="Rate of answers whose logprobs hold a null, a -1e6 and a 1e6 (when asked for logprobs).",
+)
 @_option("--seed", default=0, type=int, help="Seed of the fault RNG.")
 def sim_server(
     host: str,
@@ -197,6 +203,7 @@ def sim_server(
     fail_truncate: float,
     fail_nan: float,
     fail_duplicate: float,
+    fail_wild_logprobs: float,
     seed: int,
 ) -> None:
     """Run a simulator of an inference server's HTTP API (no GPU needed): SGLang's /generate, vLLM's
@@ -212,6 +219,7 @@ def sim_server(
             truncate=fail_truncate,
             nan=fail_nan,
             duplicate=fail_duplicate,
+            wild_logprobs=fail_wild_logprobs,
         )
         versions.parse(sglang_version)
         versions.parse(vllm_version)

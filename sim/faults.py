@@ -23,6 +23,7 @@ FAULT_KINDS = (
     "truncate",
     "nan",
     "duplicate",
+    "wild_logprobs",
 )
 
 
@@ -39,6 +40,7 @@ class FaultRates:
     truncate: float = 0.0
     nan: float = 0.0  # 200 with finish_reason stop, matched "NaN happened" (the sampler hit NaN)
     duplicate: float = 0.0  # 400 "Duplicate request ID detected" (a rid reused while still held)
+    wild_logprobs: float = 0.0  # 200 whose logprobs hold a null, a -1e6 and a 1e6 (model.wild)
 
     def __post_init__(self) -> None:
         for kind in FAULT_KINDS:

@@ -215,6 +215,16 @@ def render_chat(messages: Sequence[Mapping[str, Any]]) -> list[int]:
     return ids
 
 
+def wild(token: list, top: list[list[tuple[int, float]]]) -> None:
+    """What a server can send beside ordinary logprobs (the fault wild_logprobs): the first token's
+    own is null, the first top value of the first token 1e6 and the last one of the last -1e6."""
+    if token:
+        token[0] = None
+    if top and top[0]:
+        top[0][0] = (top[0][0][0], 1e6)
+        top[-1][-1] = (top[-1][-1][0], -1e6)
+
+
 def logprobs(output_ids: Sequence[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Made-up but deterministic log-probabilities of an answer: each token's own, and the top ``k``
     (id, logprob) pairs at its position, best first, the sampled token among them."""

@@ -97,6 +97,8 @@ async def _answer(
     meta: dict[str, Any] = {}
     if req.logprobs is not None:  # return_logprob: [logprob, id, text] per output token
         token, top = model.logprobs(output_ids, req.logprobs)
+        if served.fault == "wild_logprobs":
+            model.wild(token, top)
         meta["input_token_logprobs"] = []  # logprob_start_len -1 (the default): no prompt logprobs
         meta["output_token_logprobs"] = [[lp, i, None] for lp, i in zip(token, output_ids, strict=True)]
         meta["output_token_logprobs_length"] = len(output_ids)

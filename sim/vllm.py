@@ -181,7 +181,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         choice["routed_experts"] = None
     if body.get("logprobs") is not None:  # completion/protocol.py: logprobs: K
         choice["logprobs"] = _logprobs(
-            output_ids, int(body["logprobs"]), bool(body.get("return_tokens_as_token_ids"))
+            output_ids,
+            int(body["logprobs"]),
+            bool(body.get("return_tokens_as_token_ids")),
+            served.fault == "wild_logprobs",
         )
     result = {
         "id": f"cmpl-{request_id}",
@@ -268,13 +271,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await deliver(request, state, served, orjson.dumps(_with_extras(state, result)))
 
 
-def _logprobs(output_ids: list[int], k: int, as_ids: bool) -> dict[str, Any]:
+def _logprobs(output_ids: list[int], k: int, as_ids: bool, wild: bool) -> dict[str, Any]:
     """The completions logprobs object; tokens named "token_id:N" with return_tokens_as_token_ids."""
 
     def name(i: int) -> str:
         return f"token_id:{i}" if as_ids else model.detokenize([i], False)
 
     token, top = model.logprobs(output_ids, k)
+    if wild:
+        model.wild(token, top)
     return {
         "text_offset": list(range(len(output_ids))),
         "token_logprobs": token,

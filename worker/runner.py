@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,6 +29,8 @@ from worker.commits import GroupCommit
 from worker.config import WorkerConfig
 from worker.record import build_record
 from worker.rq_worker import Bookkeeper, Finished, Taken
+
+log = logging.getLogger("genq.worker")
 
 
 class JobRunner:
@@ -70,8 +73,8 @@ class JobRunner:
         tries = Tries(started=time.monotonic())
         answer = await self.attempts.answer(t, t.spec, tries)
         if answer is not None:
-            frame = logprobs.pack(t.spec.id, answer.logprobs) if answer.logprobs is not None else None
-            await self._succeed(t, self._record(t.spec, answer, tries), frame)
+            record = self._record(t.spec, answer, tries)
+            await self._succeed(t, record, self._frame(t, answer, record))
 
     async def _run_conversation(self, t: Taken) -> None:
         """Every user turn in order, each sent with the model's own earlier answers (decision 14).
@@ -138,6 +141,24 @@ class JobRunner:
             worker=self.books.name,
             backend=self._backend().name,
         )
+
+    def _frame(self, t: Taken, answer: Answer, record: dict[str, Any]) -> bytes | None:
+        """The answer's logprobs frame, checked before it is sent (genq/logprobs.py). One that
+        cannot be made costs the frame, not the answer: the record goes without it and says why."""
+        if answer.logprobs is None:
+            return None
+        try:
+            return logprobs.pack(t.spec.id, answer.logprobs)
+        except logprobs.Invalid as exc:
+            record["logprobs"] = logprobs.without_frame(record.get("logprobs"), str(exc))
+            log.error(
+                "job %s (%s): its logprobs cannot be stored (%s): the record goes without them",
+                t.job.id,
+                t.spec.dataset,
+                exc,
+                extra=self.books.log_context(t),
+            )
+            return None
 
     async def _succeed(self, t: Taken, record: dict[str, Any], frame: bytes | None = None) -> None:
         self.finish(t)

@@ -59,7 +59,7 @@ from genq.backends.base import (
     parse_json,
 )
 from genq.backends.load import Load, count, fraction, prometheus, total
-from genq.logprobs import LogProbs
+from genq.logprobs import Invalid, LogProbs, number
 from genq.schema import JobSpec
 
 NAN_MATCHED = "NaN happened"
@@ -359,11 +359,14 @@ def _logprobs(meta: dict[str, Any], n: int) -> LogProbs:
     if len(token) != n or (top and len(top) != n):
         raise AttemptError("bad_response", f"{len(token)} logprobs for {n} output tokens")
     rows = top or [[] for _ in token]
-    return LogProbs(
-        [float(t[0]) for t in token],
-        [[int(x[1]) for x in row] for row in rows],
-        [[float(x[0]) for x in row] for row in rows],
-    )
+    try:  # a null or huge logprob is data (genq/logprobs.py); a shape that is not SGLang's is not
+        return LogProbs(
+            [number(t[0]) for t in token],
+            [[int(x[1]) for x in row] for row in rows],
+            [[number(x[0]) for x in row] for row in rows],
+        )
+    except (Invalid, TypeError, ValueError, IndexError, KeyError) as exc:
+        raise AttemptError("bad_response", f"logprobs not in SGLang's shape: {exc}") from exc
 
 
 def _key_hint() -> str:

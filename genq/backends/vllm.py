@@ -35,7 +35,7 @@ from typing import Any
 from genq.backends import openai_compat as oai
 from genq.backends.base import Answer, AttemptError, Backend, Cost, ServerInfo, ServerRefused, parse_json
 from genq.backends.load import Load, count, fraction, prometheus
-from genq.logprobs import LogProbs
+from genq.logprobs import Invalid, LogProbs, number
 from genq.schema import JobSpec
 
 PROBE_IDS = [1, 2, 3]
@@ -164,9 +164,17 @@ def _logprobs(data: Any, output_ids: list[int], k: int) -> LogProbs:
     if not isinstance(data, dict) or len(data.get("token_logprobs") or []) != len(output_ids):
         raise AttemptError("bad_response", "response has no logprobs for every output token")
     rows = data.get("top_logprobs") or [{} for _ in output_ids]
-    top = [sorted(((v, int(t.rsplit(":", 1)[1])) for t, v in row.items()), reverse=True)[:k] for row in rows]
-    return LogProbs(
-        [float(x) for x in data["token_logprobs"]],
-        [[i for _, i in row] for row in top],
-        [[float(v) for v, _ in row] for row in top],
-    )
+    try:  # a null or huge logprob is data (genq/logprobs.py); a shape that is not vLLM's is not
+        top = [
+            sorted(((number(v), int(t.rsplit(":", 1)[1])) for t, v in (row or {}).items()), key=_best)[:k]
+            for row in rows
+        ]
+        token = [number(x) for x in data["token_logprobs"]]
+    except (Invalid, TypeError, ValueError, AttributeError) as exc:
+        raise AttemptError("bad_response", f"logprobs not in vLLM's shape: {exc}") from exc
+    return LogProbs(token, [[i for _, i in row] for row in top], [[v for v, _ in row] for row in top])
+
+
+def _best(pair: tuple[float | None, int]) -> tuple[float, int]:
+    """Best first; a null logprob sorts last."""
+    return (-pair[0] if pair[0] is not None else float("inf"), -pair[1])
