@@ -113,7 +113,17 @@ def _dry_run(procs, *args: str):
     return procs.run("enqueue", *args, "--dry-run", "--dataset", "dry")
 
 
-def test_dry_run_checks_and_renders_everything_and_touches_no_redis(procs, conn, tmp_path, tokenizer_dir):
+def _ours(conn, namespace: str) -> list:
+    """Every key of this test's namespace (genq's and RQ's: their names carry it), and its queues
+    in RQ's set of queues; the Redis is shared by the whole session, whose other tests' leftovers
+    may still write their own."""
+    keys = sorted(k for k in conn.keys("*") if namespace.encode() in k)
+    return keys + sorted(q for q in conn.smembers("rq:queues") if namespace.encode() in q)
+
+
+def test_dry_run_checks_and_renders_everything_and_touches_no_redis(
+    procs, conn, namespace, tmp_path, tokenizer_dir
+):
     rows = [
         *CHAT,
         {**CHAT[0], "custom_id": "other", "body": {**CHAT[0]["body"], "max_tokens": 500}},
@@ -122,11 +132,11 @@ def test_dry_run_checks_and_renders_everything_and_touches_no_redis(procs, conn,
     ]
     chat = write_jsonl(tmp_path / "chat.jsonl", rows)
     texts = write_jsonl(tmp_path / "texts.jsonl", [completion("c-1", "Say this is a test")])
-    before = sorted(conn.keys("*"))
+    before = _ours(conn, namespace)
 
     res = _dry_run(procs, chat, texts, "--tokenizer", tokenizer_dir, "--samples", "2")
     assert res.returncode == 0, res.stderr
-    assert sorted(conn.keys("*")) == before, "a dry run writes nothing to Redis"
+    assert _ours(conn, namespace) == before, "a dry run writes nothing to Redis"
     assert f"{chat}: 5 rows: would enqueue 4 jobs (2 rows x 2 samples), reject 3" in res.stdout
     assert f"{texts}: 1 rows: would enqueue 2 jobs (1 rows x 2 samples), reject 0" in res.stdout
     out = res.stdout.splitlines()
