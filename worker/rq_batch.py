@@ -1,14 +1,15 @@
 """RQ's job state, written by genq for many jobs per round trip, key for key as RQ's worker writes it.
 
-RQ's worker takes and finishes one job at a time in several round trips each (rq 2.12:
-``Queue.dequeue_any`` + ``Execution.create`` + ``Job.prepare_for_execution`` to start,
-``BaseWorker.handle_job_success`` with its WATCH, ``Job._handle_success``, ``Result.create`` and
-``cleanup_execution`` to finish). A genq worker keeps a hundred jobs in flight, so it writes the
-same keys itself: one script call takes a batch of jobs, one MULTI finishes a batch. What `rq
-info`, rq-dashboard and RQ's abandoned-job cleanup read is what RQ would have written
-(tests/test_rq_contract.py compares the two). Left out, as genq jobs never use them: dependents
-(enqueue sets no ``depends_on``), repeats, and the ``Result`` stream (the record is the result; RQ
-keeps ``{"tokens": n}`` nowhere).
+RQ's worker takes and finishes one job at a time in several round trips each (rq 2.12 and 3;
+rq/worker/base.py, rq/executions.py, rq/job.py): ``Queue.dequeue_any`` + ``Execution.create`` +
+``Job.prepare_for_execution`` to start, ``BaseWorker.handle_job_success`` with its WATCH,
+``Job._handle_success``, ``Result.create`` and ``cleanup_execution`` to finish. A genq worker keeps
+a hundred jobs in flight, so it writes the same keys itself: one script call takes a batch of jobs,
+one MULTI finishes a batch. What `rq info`, rq-dashboard and RQ's abandoned-job cleanup read is what
+RQ would have written (tests/test_rq_contract.py compares the two). Left out, as genq jobs never use
+them: dependents (enqueue sets no ``depends_on``), repeats, rate limits (RQ 3), RQ 3's PERSIST of
+the job hash at start (a job genq queued has no TTL), and the ``Result`` stream (the record is the
+result; RQ keeps ``{"tokens": n}`` nowhere).
 """
 
 from __future__ import annotations
