@@ -470,33 +470,20 @@ def test_each_step_leaves_the_whole_state_rqs_own_worker_leaves(conn, namespace,
     ours.stop()
 
 
-def test_the_contract_holds_on_the_other_rq_major(tmp_path):
-    """genq supports RQ 2.12 and RQ 3 (docs/design.md, decision 1): this module's fast tests run
-    again with the other major first on the path, installed once (one wheel, no dependencies: both
-    need only redis, click and croniter) under ~/.cache/genq. Without PyPI it skips, in CI it fails."""
+def _rq_env(version: str) -> dict[str, str]:
+    """The environment that runs RQ ``version``: the installed one, or that version installed once
+    (one wheel, no dependencies: both majors need only redis, click and croniter) under
+    ~/.cache/genq and put first on the path. Without PyPI the test skips, in CI it fails."""
     import rq
 
-    version = OTHER_RQ[rq.VERSION.split(".")[0]]
+    if version == rq.VERSION:
+        return dict(os.environ)
     root = Path(os.environ.get("GENQ_ENGINE_CACHE") or Path.home() / ".cache" / "genq")
     target = root / f"rq-{version}-py{sys.version_info[0]}.{sys.version_info[1]}"
     if not (target / "rq").is_dir():
         building = root / f"{target.name}.{os.getpid()}.tmp"
-        res = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-deps",
-                "--target",
-                building,
-                f"rq=={version}",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(building)]
+        res = subprocess.run([*pip, f"rq=={version}"], capture_output=True, text=True, timeout=240)
         if res.returncode != 0:
             if os.environ.get("CI"):
                 pytest.fail(f"pip could not install rq=={version}: {res.stderr}")
@@ -508,12 +495,35 @@ def test_the_contract_holds_on_the_other_rq_major(tmp_path):
         [sys.executable, "-c", "import rq; print(rq.VERSION)"], env=env, capture_output=True, text=True
     )
     assert got.stdout.strip() == version, got.stderr
+    return env
+
+
+def _run_here(env: dict[str, str], tmp_path: Path, select: str) -> None:
+    """This module's fast tests that ``select`` (pytest -k) picks, run in ``env``."""
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", __file__]
-        + ["-k", "not other_rq_major", "--basetemp", tmp_path / "run"],
+        + ["-k", select, "--basetemp", str(tmp_path / "run")],
         env=env,
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]  # 5: none collected
+
+
+def test_the_contract_holds_on_the_other_rq_major(tmp_path):
+    """genq supports RQ 2.12 and RQ 3 (docs/design.md, decision 1): this module's fast tests run
+    again against the other major."""
+    import rq
+
+    _run_here(_rq_env(OTHER_RQ[rq.VERSION.split(".")[0]]), tmp_path, "not rq_major and not key_prefix")
+
+
+def test_genq_writes_under_rqs_key_prefix(tmp_path):
+    """RQ 3 names its keys after RQ_KEY_PREFIX (rq/defaults.py); genq takes every RQ key name from
+    RQ, so under another prefix the whole-state contract and RQ's reading of genq's jobs hold."""
+    import rq
+
+    version = rq.VERSION if rq.VERSION.startswith("3.") else OTHER_RQ["2"]
+    env = {**_rq_env(version), "RQ_KEY_PREFIX": "zq"}
+    _run_here(env, tmp_path, "each_step or enqueue_many")
