@@ -479,6 +479,36 @@ def test_each_step_leaves_the_whole_state_rqs_own_worker_leaves(conn, namespace,
     ours.stop()
 
 
+def test_a_job_genq_cannot_read_is_failed_through_rqs_own_code(conn, namespace):
+    """A job in a genq queue that genq did not write (kwargs JobSpec does not take) is failed by
+    RQ's handle_job_failure with its execution (RQ 3) or the worker's (RQ 2): in the failed
+    registry, its execution gone from the started registry, the job's executions and the worker."""
+    from rq import Queue
+    from rq.executions import Execution
+
+    from genq import datasets
+    from genq.keys import Keys
+    from worker import rq_batch
+    from worker.rq_worker import Bookkeeper
+
+    keys = Keys(namespace)
+    datasets.register(conn, keys, datasets.DatasetSettings("odd", 1, {"max_new_tokens": 8}))
+    queue = Queue(keys.queue_name("odd"), connection=conn, serializer="json")
+    job = queue.enqueue_call("genq.jobs.generate", kwargs={"not_a_field": 1}, job_id=keys.job_id("odd-0"))
+    ours = Bookkeeper(conn, keys, heartbeat_ttl=90, server="http://unused")
+    ours.start({})
+    assert ours.take(10, 1000)[1] == []
+    assert job.get_status() == "failed" and job.id in queue.failed_job_registry.get_job_ids()
+    assert "unreadable genq job payload" in job.latest_result().exc_string
+    assert conn.zcard(queue.started_job_registry.key) == 0
+    assert conn.zcard(rq_batch.EXECUTIONS.format(job.id)) == 0
+    assert not list(conn.scan_iter(Execution("*", job.id, conn).key))
+    if rq_batch.INDEXED:
+        assert conn.scard(rq_batch.executions_index(ours.name)) == 0
+    assert int(conn.hget(ours.key, "failed_job_count")) == 1
+    ours.stop()
+
+
 def _rq_env(version: str) -> dict[str, str]:
     """The environment that runs RQ ``version``: the installed one, or that version installed once
     (one wheel, no dependencies: both majors need only redis, click and croniter) under
