@@ -353,7 +353,7 @@ class Bookkeeper(BaseWorker):
                 t.execution.delete(job=t.job, pipeline=pipe)
                 if job is not None:  # RQ saves the whole job: the one read just now
                     t.queue._enqueue_job(job, pipeline=pipe, at_front=True)
-            if not rq_batch.INDEXED:  # RQ 3's Execution.delete leaves its worker's index
+            if not rq_batch.INDEXED:  # on RQ 3, Execution.delete took it out of the worker's index
                 self.set_current_job_id(None, pipeline=pipe)
             pipe.execute()
 
