@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import redis
 from rq import Queue, worker_registration
+from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.utils import parse_composite_key
@@ -127,7 +128,9 @@ def requeue_orphans(conn: redis.Redis, keys: Keys) -> int:
             job_id, execution_id = parse_composite_key(entry.decode())
             with conn.pipeline() as pipe:
                 pipe.zrem(registry.key, entry)
-                pipe.delete(f"rq:execution:{job_id}:{execution_id}", f"rq:executions:{job_id}")
+                # RQ's names of the execution's hash and the job's executions (rq/executions.py)
+                execution = Execution(execution_id, job_id, conn).key
+                pipe.delete(execution, ExecutionRegistry.key_template.format(job_id))
                 if Job.exists(job_id, connection=conn):
                     job = Job.fetch(job_id, connection=conn, serializer="json")
                     queue._enqueue_job(job, pipeline=pipe, at_front=True)

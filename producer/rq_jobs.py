@@ -2,10 +2,10 @@
 
 ``enqueue_many`` builds a Job object per prompt (five dates, a JSON dump, serializer lookups) and
 queues four commands for it; that tops out near 8,000 prompts/s here. genq writes the same hash
-itself (rq 2.12 ``Job.to_dict``), with the fields RQ leaves empty left out (``Job.restore`` reads
-a missing field and an empty one alike, and an empty field costs a queued job ~60 bytes of
-Redis), then pushes the whole batch's ids with one RPUSH. tests/test_rq_contract.py checks that RQ
-reads a job written here back as it reads its own.
+itself (rq/job.py ``Job.to_dict``, rq 2.12 and 3), with the fields RQ leaves empty left out
+(``Job.restore`` reads a missing field and an empty one alike, and an empty field costs a queued job
+~60 bytes of Redis), then pushes the whole batch's ids with one RPUSH. tests/test_rq_contract.py
+checks that RQ reads a job written here back as it reads its own.
 """
 
 from __future__ import annotations

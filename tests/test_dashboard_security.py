@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from flask import url_for
 from rq import Worker
+from rq.executions import Execution
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
@@ -19,6 +20,7 @@ from genq.commands.dashboard_app import ROUTES, STATE_CHANGING, UNREADABLE, crea
 from genq.commands.embedded import free_port
 from genq.keys import Keys
 from tests.helpers import one_failure, status_json, wait_until, write_prompts
+from worker import rq_batch
 
 REGISTRIES = ("queued", "failed", "started", "finished", "deferred", "scheduled", "canceled")
 
@@ -83,7 +85,14 @@ def test_no_route_unpickles_a_planted_job(procs, tmp_path, conn, redis_url, name
             conn.zadd(registry(queue, connection=conn).key, {job_id: 2**40})
     worker = Worker([queue], connection=conn, serializer=JSONSerializer, name=f"{namespace}-planted")
     worker.register_birth()
-    worker.set_current_job_id(keys.job_id("d-data"))
+    with conn.pipeline() as pipe:  # the worker busy with the planted job, as RQ names it
+        if rq_batch.INDEXED:  # RQ 3: its execution index (rq/executions.py)
+            execution = Execution("planted", keys.job_id("d-data"), conn, worker_name=worker.name)
+            execution.save(60, pipeline=pipe)
+            pipe.sadd(rq_batch.executions_index(worker.name), execution.composite_key)
+        else:  # RQ 2: the worker hash's current_job (rq/worker/base.py)
+            worker.set_current_job_id(keys.job_id("d-data"), pipeline=pipe)
+        pipe.execute()
     origin = {"Origin": "http://localhost"}
     try:
         app = create_app(redis_url)

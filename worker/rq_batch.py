@@ -1,15 +1,16 @@
 """RQ's job state, written by genq for many jobs per round trip, key for key as RQ's worker writes it.
 
-RQ's worker takes and finishes one job at a time in several round trips each (rq 2.12:
-``Queue.dequeue_any`` + ``Execution.create`` + ``Job.prepare_for_execution`` to start,
-``BaseWorker.handle_job_success`` with its WATCH, ``Job._handle_success``, ``Result.create`` and
-``cleanup_execution`` to finish). A genq worker keeps a hundred jobs in flight, so it writes the
-same keys itself: one script call takes a batch of jobs, one script call (:data:`APPLY`) ends a
-batch, records and errors alike. What `rq info`, rq-dashboard and RQ's abandoned-job cleanup read
-is what RQ would have written (tests/test_rq_contract.py compares the two, for a success and for a
-failure). Left out, as genq jobs never use them: dependents
-(enqueue sets no ``depends_on``), repeats, and the ``Result`` stream (the record is the result; RQ
-keeps ``{"tokens": n}`` nowhere).
+RQ's worker takes and finishes one job at a time in several round trips each (rq 2.12 and 3;
+rq/worker/base.py, rq/executions.py, rq/job.py): ``Queue.dequeue_any`` + ``Execution.create`` +
+``Job.prepare_for_execution`` to start, ``BaseWorker.handle_job_success`` with its WATCH,
+``Job._handle_success``, ``Result.create`` and ``cleanup_execution`` to finish. A genq worker keeps
+a hundred jobs in flight, so it writes the same keys itself: one script call takes a batch of jobs,
+one script call (:data:`APPLY`) ends a batch, records and errors alike. What `rq info`,
+rq-dashboard and RQ's abandoned-job cleanup read is what RQ would have written
+(tests/test_rq_contract.py compares the two, step by step). Left out, as genq jobs never use
+them: dependents (enqueue sets no ``depends_on``), repeats, rate limits (RQ 3), RQ 3's PERSIST of
+the job hash at start (a job genq queued has no TTL), and the ``Result`` stream (the record is the
+result; RQ keeps ``{"tokens": n}`` nowhere).
 """
 
 from __future__ import annotations
@@ -23,16 +24,39 @@ from datetime import datetime
 
 from redis.client import Pipeline
 from redis.commands.core import Script
-from rq import Queue
+from rq import Queue, executions
 from rq.defaults import DEFAULT_RESULT_TTL
-from rq.executions import Execution
+from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
 from rq.utils import utcformat
 from rq.worker import BaseWorker
 
-# KEYS: worker hash, crashes hash, attempts hash, then (queue, started registry, the dataset's
-# result stream) triples in the order to take from. ARGV: stream limit, how many, worker name, the
-# time (RQ's string, epoch float, epoch int), heartbeat TTL, then one execution id per job.
+# RQ's keys as RQ names them (RQ 3 reads its prefix from RQ_KEY_PREFIX, rq/defaults.py): a job's
+# hash (rq/job.py Job.key), an execution's hash (rq/executions.py Execution.key), a job's
+# executions (rq/executions.py ExecutionRegistry.key_template).
+EXECUTIONS = ExecutionRegistry.key_template
+PREFIXES = (
+    Job.redis_job_namespace_prefix,
+    Execution("", "", None).key.removesuffix(":"),  # type: ignore[arg-type]
+    EXECUTIONS.format(""),
+)
+# RQ 3 indexes a worker's executions in a set (rq/executions.py Execution.create, the worker's
+# ``executions_key``), names the job in the execution hash, refreshes only executions still
+# registered, and keeps no ``current_job`` in the worker hash; RQ 2 names the worker's one current
+# job there (rq/worker/base.py ``set_current_job_id``).
+INDEXED = hasattr(executions, "WORKER_EXECUTIONS_KEY_TEMPLATE")
+
+
+def executions_index(worker: str) -> str:
+    """The key of ``worker``'s execution index (RQ 3's ``BaseWorker.executions_key``); "" on RQ 2."""
+    return executions.WORKER_EXECUTIONS_KEY_TEMPLATE.format(worker) if INDEXED else ""
+
+
+# KEYS: worker hash, crashes hash, attempts hash, the worker's execution index (RQ 3), then (queue,
+# started registry, the dataset's result stream) triples in the order to take from. ARGV: stream
+# limit, how many, worker name, the time (RQ's string, epoch float, epoch int), heartbeat TTL, RQ's
+# key prefixes (job, execution, executions; from RQ, see PREFIXES), whether RQ indexes executions
+# (INDEXED), then one execution id per job.
 # Nothing is taken from a queue whose dataset's stream holds the limit (its collector is behind).
 # Takes from the left of each queue as RQ's dequeue does, many ids per LPOP (Redis >= 6.2), one
 # read of each job's hash, and one ZADD per queue: in Lua every redis.call costs as much as a
@@ -45,10 +69,11 @@ from rq.worker import BaseWorker
 TAKE = """
 local limit, want, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[7])
 local worker, stamp, ts, score = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6])
+local job_prefix, exec_prefix, execs_prefix, indexed = ARGV[8], ARGV[9], ARGV[10], ARGV[11] == '1'
 local full = {}
 local taken = {full}
 local n, last = 0, nil
-for q = 4, #KEYS, 3 do
+for q = 5, #KEYS, 3 do
   if n >= want then break end
   if redis.call('XLEN', KEYS[q + 2]) >= limit then
     table.insert(full, q)
@@ -59,7 +84,7 @@ for q = 4, #KEYS, 3 do
       if not ids then break end
       local crashes = redis.call('HMGET', KEYS[2], unpack(ids))
       for i, id in ipairs(ids) do
-        local job = 'rq:job:' .. id
+        local job = job_prefix .. id
         local f = redis.call('HMGET', job, 'status', 'data', 'result_ttl', 'meta')
         if not f[1] then
           table.insert(taken, {q, id, 'missing'})
@@ -67,12 +92,16 @@ for q = 4, #KEYS, 3 do
           table.insert(taken, {q, id, f[1]})
         else
           n = n + 1
-          local exec = ARGV[7 + n]
-          local ekey = 'rq:execution:' .. id .. ':' .. exec
+          local exec = ARGV[11 + n]
+          local ekey = exec_prefix .. id .. ':' .. exec
           redis.call('HSET', ekey, 'id', exec, 'created_at', ts, 'last_heartbeat', ts, 'worker_name', worker)
+          if indexed then
+            redis.call('HSET', ekey, 'job_id', id)
+            redis.call('SADD', KEYS[4], id .. ':' .. exec)
+          end
           redis.call('EXPIRE', ekey, ttl)
-          redis.call('ZADD', 'rq:executions:' .. id, score + ttl + 60, exec)
-          redis.call('EXPIRE', 'rq:executions:' .. id, ttl + 60)
+          redis.call('ZADD', execs_prefix .. id, score + ttl + 60, exec)
+          redis.call('EXPIRE', execs_prefix .. id, ttl + 60)
           table.insert(started, score + ttl)
           table.insert(started, id .. ':' .. exec)
           redis.call('HSET', job, 'last_heartbeat', stamp, 'status', 'started', 'started_at', stamp,
@@ -88,7 +117,14 @@ for q = 4, #KEYS, 3 do
     if #started > 0 then redis.call('ZADD', KEYS[q + 1], unpack(started)) end
   end
 end
-if last then redis.call('HSET', KEYS[1], 'state', 'busy', 'current_job', last) end
+if last then
+  redis.call('HSET', KEYS[1], 'state', 'busy')
+  if indexed then
+    redis.call('EXPIRE', KEYS[4], ttl)  -- as the worker's heartbeat in prepare_job_execution (RQ 3)
+  else
+    redis.call('HSET', KEYS[1], 'current_job', last)
+  end
+end
 return taken
 """
 
@@ -111,7 +147,7 @@ def take(
     queues: list[tuple[Queue, str]],
     want: int,
     worker: str,
-    keys: tuple[str, str, str],
+    keys: tuple[str, str, str, str],
     stream_limit: int,
     ttl: int,
     at: datetime,
@@ -119,15 +155,16 @@ def take(
     """Up to ``want`` jobs from ``queues`` (each with its dataset's result stream) in that order,
     started for ``worker`` at ``at`` (Redis's clock, genq/clock.py), in one round trip; with the
     queues skipped because their stream holds ``stream_limit`` entries. ``keys``: the worker hash,
-    and genq's crashes and attempts hashes; ``script``: :data:`TAKE` registered on the connection."""
+    genq's crashes and attempts hashes, and the worker's execution index (:func:`executions_index`);
+    ``script``: :data:`TAKE` registered on the connection."""
     epoch = calendar.timegm(at.utctimetuple())
     queue_keys = [key for q, stream in queues for key in (q.key, q.started_job_registry.key, stream)]
-    argv = [stream_limit, want, worker, utcformat(at), at.timestamp(), epoch, ttl]
-    executions = [uuid.uuid4().hex for _ in range(want)]
-    full, *popped = script(keys=[*keys, *queue_keys], args=[*argv, *executions])
+    argv = [stream_limit, want, worker, utcformat(at), at.timestamp(), epoch, ttl, *PREFIXES, int(INDEXED)]
+    execution_ids = [uuid.uuid4().hex for _ in range(want)]
+    full, *popped = script(keys=[*keys, *queue_keys], args=[*argv, *execution_ids])
     found = []
     for q, raw_id, state, *started in popped:
-        queue, job_id = queues[(q - 4) // 3][0], raw_id.decode()
+        queue, job_id = queues[(q - 5) // 3][0], raw_id.decode()
         if state != b"started":
             found.append(Popped(queue, job_id, state.decode()))
             continue
@@ -136,7 +173,7 @@ def take(
         execution = Execution(execution_id.decode(), job_id, queue.connection, worker_name=worker)
         execution.created_at = execution.last_heartbeat = at
         found.append(Popped(queue, job_id, "started", job, execution, int(crashes), int(attempt)))
-    return [queues[(q - 4) // 3][0] for q in full], found
+    return [queues[(q - 5) // 3][0] for q in full], found
 
 
 def started_job(
@@ -167,29 +204,35 @@ def started_job(
 
 
 def heartbeat(
-    pipe: Pipeline, worker_key: str, jobs: list[tuple[Job, Execution]], ttl: int, at: datetime
+    pipe: Pipeline, worker_key: str, index: str, jobs: list[tuple[Job, Execution]], ttl: int, at: datetime
 ) -> None:
     """What RQ's heartbeats write (``BaseWorker.heartbeat`` for the worker, ``Execution.heartbeat``
     and ``Job.heartbeat`` for each job: rq/worker/base.py, rq/executions.py, rq/job.py), into
     ``pipe``, but at ``at``: Redis's clock, not this host's, so the started registry's deadlines
-    mean the same to the reaper on every host (RQ's own code reads ``datetime.now()`` here)."""
+    mean the same to the reaper on every host (RQ's own code reads ``datetime.now()`` here).
+    ``index``: the worker's execution index (:func:`executions_index`)."""
     stamp, epoch = utcformat(at), calendar.timegm(at.utctimetuple())
     pipe.hset(worker_key, "last_heartbeat", stamp)
     pipe.expire(worker_key, ttl + 60)
+    if index:  # RQ 3's maintain_heartbeats: the heartbeat TTL (rq/worker/base.py)
+        pipe.expire(index, ttl)
     for job, execution in jobs:
         execution.last_heartbeat = job.last_heartbeat = at
         pipe.hset(execution.key, "last_heartbeat", at.timestamp())
         pipe.expire(execution.key, ttl)
         pipe.zadd(job.started_job_registry.key, {execution.composite_key: epoch + ttl}, xx=True)
-        pipe.zadd(f"rq:executions:{job.id}", {execution.id: epoch + ttl + 60})
-        pipe.expire(f"rq:executions:{job.id}", ttl + 60)
+        pipe.zadd(EXECUTIONS.format(job.id), {execution.id: epoch + ttl + 60}, xx=INDEXED)
+        pipe.expire(EXECUTIONS.format(job.id), ttl + 60)
         pipe.hset(job.key, "last_heartbeat", stamp)
 
 
-def finish(pipe: Pipeline, worker_key: str, jobs: list[tuple[Job, Execution]], ended_at: datetime) -> None:
+def finish(
+    pipe: Pipeline, worker_key: str, index: str, jobs: list[tuple[Job, Execution]], ended_at: datetime
+) -> None:
     """What ``handle_job_success`` writes for each job (rq/worker/base.py), into ``pipe`` (run as
     one step by :func:`apply`): the job finished and kept for its result_ttl in the finished
-    registry, its execution gone from the started registry, and the worker's counters."""
+    registry, its execution gone from the started registry and the worker's execution index
+    (``index``, RQ 3), and the worker's counters."""
     by_queue: dict[str, list[tuple[Job, Execution]]] = defaultdict(list)
     for job, execution in jobs:
         by_queue[job.origin].append((job, execution))
@@ -203,11 +246,14 @@ def finish(pipe: Pipeline, worker_key: str, jobs: list[tuple[Job, Execution]], e
         pipe.hset(job.key, mapping={"status": JobStatus.FINISHED, "ended_at": stamp})
         pipe.expire(job.key, job.get_result_ttl(DEFAULT_RESULT_TTL))
         pipe.delete(execution.key)
-        pipe.zrem(f"rq:executions:{job.id}", execution.id)
+        pipe.zrem(EXECUTIONS.format(job.id), execution.id)
+    if index and jobs:
+        pipe.srem(index, *(e.composite_key for _, e in jobs))
     working = sum(((ended_at - job.started_at).total_seconds() for job, _ in jobs if job.started_at), 0.0)
     pipe.hincrby(worker_key, "successful_job_count", len(jobs))
     pipe.hincrbyfloat(worker_key, "total_working_time", working)
-    pipe.hdel(worker_key, "current_job")
+    if not INDEXED:
+        pipe.hdel(worker_key, "current_job")
 
 
 def fail(pipe: Pipeline, worker: BaseWorker, job: Job, execution: Execution, exc_string: str) -> None:
@@ -216,8 +262,11 @@ def fail(pipe: Pipeline, worker: BaseWorker, job: Job, execution: Execution, exc
     those and the error's stream entry would leave the job half ended. ``job`` is read whole
     (``Job.refresh``: RQ saves the whole hash), with ``retries_left`` 0 and ``ended_at`` set."""
     job.set_status(JobStatus.FAILED, pipeline=pipe)
-    worker.set_current_job_id(None, pipeline=pipe)  # rq/executions.py cleanup_execution
-    execution.delete(job=job, pipeline=pipe)
+    if INDEXED:  # RQ 3's cleanup_execution (rq/executions.py): the execution and its index entry
+        executions.cleanup_execution(worker, job, pipe, execution)
+    else:  # RQ 2's (rq/worker/base.py), for this job's execution instead of the worker's one
+        worker.set_current_job_id(None, pipeline=pipe)
+        execution.delete(job=job, pipeline=pipe)
     job._handle_failure(
         exc_string,
         pipeline=pipe,

@@ -8,9 +8,9 @@ under a lock. Every method here is synchronous and runs on a thread of the worke
 maintenance each on their own (so neither waits behind the other's round trips on a slow link),
 everything else on one, in order (heartbeats and hand-overs must not overtake each other).
 
-RQ internals relied on (pinned ``rq==2.12.*``): the keys of worker/rq_batch.py,
-``Execution.heartbeat`` / ``delete``, ``handle_job_failure`` and the calls it makes,
-``StartedJobRegistry.cleanup`` for abandoned jobs, ``IntermediateQueue.cleanup``.
+RQ internals relied on (``rq>=2.12,<4``; tests/test_rq_contract.py): the keys of
+worker/rq_batch.py, ``Execution.delete`` (rq/executions.py), ``handle_job_failure``
+(rq/worker/base.py), ``StartedJobRegistry.cleanup`` for abandoned jobs (rq/registry.py).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class Bookkeeper(BaseWorker):
         if not queues:
             return [], []
         streams = [(q, self.keys.results(self._dataset(q))) for q in queues]
-        keys = (self.key, self.keys.crashes, self.keys.attempts)
+        keys = (self.key, self.keys.crashes, self.keys.attempts, rq_batch.executions_index(self.name))
         full, popped = rq_batch.take(
             self._take_script,
             streams,
@@ -185,10 +185,7 @@ class Bookkeeper(BaseWorker):
                 spec = JobSpec.from_kwargs(p.job.kwargs)
             except Exception as exc:  # noqa: BLE001 - a payload we cannot read fails, loudly
                 log.error("job %s: unreadable payload (%s); failing it", p.job_id, exc, extra=ctx)
-                with self._rq_lock:
-                    self.execution = p.execution
-                    self._fail_unreadable(p.job, p.queue, str(exc))
-                    self.execution = None
+                self._fail_unreadable(p.job, p.queue, p.execution, str(exc))
                 continue
             taken.append(Taken(p.job, p.queue, p.execution, spec, p.crashes, p.attempt))
         return [self._dataset(q) for q in full], taken
@@ -196,11 +193,25 @@ class Bookkeeper(BaseWorker):
     def _dataset(self, queue: Queue) -> str:
         return self.keys.dataset_of_queue(queue.name) or queue.name
 
-    def _fail_unreadable(self, job: Job, queue: Queue, message: str) -> None:
+    def _fail_unreadable(self, job: Job, queue: Queue, execution: Execution, message: str) -> None:
         """A job in a genq queue that genq did not write: fail it where operators will see it."""
         job.refresh()  # RQ saves the whole job
         job.retries_left = 0
-        self.handle_job_failure(job, queue, exc_string=f"unreadable genq job payload: {message}")
+        self._handle_failure(job, queue, execution, f"unreadable genq job payload: {message}")
+
+    def _handle_failure(self, job: Job, queue: Queue, execution: Execution, exc_string: str) -> None:
+        """RQ's own ``handle_job_failure`` (rq/worker/base.py) for one of many executions: RQ 3 takes
+        the execution as an argument; RQ 2 reads the worker's single ``execution``, pointed at this
+        job's for the call."""
+        with self._rq_lock:
+            if rq_batch.INDEXED:
+                self.handle_job_failure(
+                    job, queue, job.started_job_registry, exc_string=exc_string, execution=execution
+                )
+                return
+            self.execution = execution
+            self.handle_job_failure(job, queue, job.started_job_registry, exc_string=exc_string)
+            self.execution = None
 
     # -- in flight --------------------------------------------------------------------------
 
@@ -221,8 +232,9 @@ class Bookkeeper(BaseWorker):
             sent_at = time.monotonic()
             with self.connection.pipeline() as pipe:
                 at = self.clock.now()
-                rq_batch.heartbeat(pipe, self.key, [(t.job, t.execution) for t in chunk], ttl, at)
-                if chunk:
+                beats = [(t.job, t.execution) for t in chunk]
+                rq_batch.heartbeat(pipe, self.key, rq_batch.executions_index(self.name), beats, ttl, at)
+                if chunk and not rq_batch.INDEXED:  # RQ 2 names one current job (rq/worker/base.py)
                     self.set_current_job_id(chunk[-1].job.id, pipeline=pipe)
                 pipe.execute()
             for t in chunk:
@@ -286,7 +298,8 @@ class Bookkeeper(BaseWorker):
         if finished:
             self._hand_over(pipe, finished)
         if records:
-            rq_batch.finish(pipe, self.key, [(f.taken.job, f.taken.execution) for f in records], at)
+            done = [(f.taken.job, f.taken.execution) for f in records]
+            rq_batch.finish(pipe, self.key, rq_batch.executions_index(self.name), done, at)
         for f in errors:
             why = f"{f.data['error']}: {f.data['message']}"
             rq_batch.fail(pipe, self, f.taken.job, f.taken.execution, why)
@@ -344,7 +357,8 @@ class Bookkeeper(BaseWorker):
                 t.execution.delete(job=t.job, pipeline=pipe)
                 if job is not None:  # RQ saves the whole job: the one read just now
                     t.queue._enqueue_job(job, pipeline=pipe, at_front=True)
-            self.set_current_job_id(None, pipeline=pipe)
+            if not rq_batch.INDEXED:  # on RQ 3, Execution.delete took it out of the worker's index
+                self.set_current_job_id(None, pipeline=pipe)
             pipe.execute()
 
     # -- maintenance ------------------------------------------------------------------------
