@@ -305,7 +305,7 @@ def test_enqueue_reports_formats_and_rejects_bad_rows_while_the_rest_go_through(
     parquet = tmp_path / "more.parquet"
     pq.write_table(pa.table({"input_ids": [[7, 8], [], [9]]}), parquet)
     res = procs.run("enqueue", data, parquet, "--dataset", "mix", "--max-new-tokens", "16")
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 3, res.stderr  # rows rejected, the rest enqueued
     assert "mix: read 8, enqueued 5, skipped 0, rejected 3" in res.stdout
     assert f"{data}: format prompt" in res.stderr
     assert f"{data}:4: also format input_ids" in res.stderr
