@@ -148,9 +148,21 @@ def test_a_tokenizer_that_cannot_be_loaded_offline_is_a_clear_error(procs, tmp_p
     data = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "hello"}])
     res = procs.run("enqueue", data, "--tokenizer", "no-such-org/no-such-model")
     assert res.returncode != 0
-    assert "--tokenizer no-such-org/no-such-model: cannot load it from a local folder" in res.stderr
-    with pytest.raises(TemplateError, match="cannot load it"):
-        ChatTemplate(str(tmp_path / "missing"))
+    assert res.stderr == (
+        "Error: tokenizer 'no-such-org/no-such-model' not found: not a local folder, and the Hugging Face "
+        "repo is not in the local cache (genq never downloads: `hf download no-such-org/no-such-model` "
+        "first, or pass a path)\n"
+    )
+    # A mistyped path is no repo id: said so, not Hugging Face's "Repo id must be in the form ...".
+    missing = tmp_path / "missing"
+    res = procs.run("enqueue", data, "--tokenizer", missing)
+    assert res.returncode != 0
+    assert res.stderr == (
+        f"Error: tokenizer '{missing}' not found: not a local folder and not a Hugging Face repo id; pass a "
+        "path or a repo id\n"
+    )
+    with pytest.raises(TemplateError, match="not found"):
+        ChatTemplate(str(missing))
 
 
 # -- think markers ----------------------------------------------------------------------------
