@@ -29,8 +29,8 @@ def entry(item: Rejected) -> dict[str, Any]:
     if found is not None:
         key = "row" if found["row"] is not None else "line"
         place = {"file": found["file"], key: int(found[key])}
-    field = _FIELD.search(item.reason)
-    raw = item.raw.decode("utf-8", "replace") if item.raw is not None else None
+    field = _FIELD.match(item.reason)
+    raw = item.raw.rstrip(b"\r\n").decode("utf-8", "replace") if item.raw is not None else None
     return {
         **place,
         "dataset_row": item.row,
