@@ -151,7 +151,7 @@ def test_bad_rows_are_rejected_with_where_and_why_in_process(tmp_path):
         4: f"{data}:5: field 'conversations'[0].value: expected a string, got int",
         5: f"{data}:6: field 'conversations'[0].from: expected one of human, user, gpt",
         6: f"{data}:7: field 'messages': expected a non-empty list of turns, got str",
-        7: f"{data}:8: field 'messages'[0].content: expected a string, got null",
+        7: f"{data}:8: field 'messages'[0].content: missing (the turn has 'role')",
         8: f"{data}:9: field 'prompt': expected a non-empty string",
         9: f"{data}:10: field 'input': expected a string, got list",
         10: f"{data}:11: field 'id': expected a string or integer, got list",
