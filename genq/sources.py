@@ -105,7 +105,10 @@ def count(path: Path, split: str | None = None, max_row_bytes: int = MAX_ROW_BYT
 
 # -- one row's JSON -------------------------------------------------------------------------
 
-_LONG_INT = re.compile(rb"\d{19}")  # where an integer beyond 64 bits may be (orjson makes it a float)
+# Where an integer beyond 64 bits may be (orjson reads it as a float): 19 digits in a row, found
+# by mapping digits to 1 and the rest to 0 (a C pass, several times faster than a regex here).
+_DIGITS = bytes(49 if 48 <= i <= 57 else 48 for i in range(256))
+_LONG_RUN = b"1" * 19
 _NOT_JSON = re.compile(rb"\b(NaN|Infinity)\b")
 INT_RANGE = range(-(1 << 63), 1 << 64)  # what orjson reads and writes as an integer
 
@@ -123,7 +126,7 @@ def decode(raw: bytes) -> Any:
         if _NOT_JSON.search(raw):
             raise ValueError(f"NaN or Infinity is not a JSON value (write null or a number): {msg}") from exc
         raise ValueError(f"malformed JSON: {msg}") from exc
-    if _LONG_INT.search(raw):  # rare: checked again by the standard library, which keeps big ints
+    if _LONG_RUN in raw.translate(_DIGITS):  # rare: the standard library, which keeps big ints, looks
         json.loads(raw, parse_int=_int64)
     return value
 
