@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
 from genq import sources
 from genq.sources import SourceError
 from producer.formats import Prompt, RowError, Shape, ShapeError
@@ -59,7 +61,7 @@ def read_dataset(
             try:
                 fmt, prompt = shape.parse(record.data)
             except RowError as exc:
-                yield Rejected(record.where, row, str(exc), record.raw)
+                yield Rejected(record.where, row, str(exc), record.raw or _as_json(record.data))
             except ShapeError as exc:
                 raise SourceError(f"{record.where}: {exc}") from exc
             else:
@@ -79,3 +81,11 @@ def first_sampling(
         if isinstance(item, Row):
             return (item.where, item.prompt.sampling) if item.prompt.sampling is not None else None
     return None
+
+
+def _as_json(data: object) -> bytes | None:
+    """A row that was not text (Parquet, a dataset folder), as JSON for the rejects file."""
+    try:
+        return orjson.dumps(data, default=str, option=orjson.OPT_SERIALIZE_NUMPY)[: sources.RAW_BYTES]
+    except TypeError:
+        return None

@@ -2,10 +2,11 @@
 
 A line holds ``file``, ``line`` (JSON Lines and JSON arrays: the line the row starts on) or
 ``row`` (Parquet and dataset folders: the row in that file, from 0), ``dataset_row`` (the row's
-number across the dataset's sources, as in its job ids), ``field`` (when the reason names one),
+number across the dataset's sources, as in its job ids), ``field`` (when the reason names one:
+``messages[2].content``),
 ``reason``, and ``raw``: the row as written, its first ``sources.RAW_BYTES`` bytes (invalid UTF-8
-replaced), or null when the row was not text or was too large to read. The file is written anew by
-each enqueue: every run reads every row, so it always lists the rejects of the latest one.
+replaced; a Parquet or dataset row as JSON), or null when it was too large to read. The file is
+written anew by each enqueue: every run reads every row, so it lists the rejects of the latest one.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import orjson
 
 from producer.readers import Rejected
 
-_FIELD = re.compile(r"field '([^']*)'")
+# "field 'messages'[2].content: ..." -> messages[2].content
+_FIELD = re.compile(r"field '([^']*)'((?:\[\d+\])*(?:\.[\w.]+)?)")
 _ROW = re.compile(r"^(?P<file>.*):(?:row (?P<row>\d+)|(?P<line>\d+))$")
 
 
@@ -34,7 +36,7 @@ def entry(item: Rejected) -> dict[str, Any]:
     return {
         **place,
         "dataset_row": item.row,
-        "field": field[1] if field else None,
+        "field": field[1] + field[2] if field else None,
         "reason": item.reason,
         "raw": raw,
     }

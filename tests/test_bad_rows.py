@@ -150,7 +150,8 @@ def test_row_messages_say_what_is_missing_and_the_fix(procs, tmp_path, tokenizer
     assert f"{data}:2: field 'conversations'[0].value: missing (the turn has 'from')" in err
     assert f"{data}:3: field 'messages'[0].content: missing (the turn has 'role')" in err
     assert "(fields present: Prompt); if 'Prompt' holds the prompt rows, pass --field prompt=Prompt" in err
-    assert [e["field"] for e in read_jsonl(rejects)] == [None, "conversations", "messages", None]
+    fields = [e["field"] for e in read_jsonl(rejects)]
+    assert fields == [None, "conversations[0].value", "messages[0].content", None]
 
 
 @pytest.mark.timeout(300)
