@@ -31,7 +31,7 @@ import orjson
 from rich.table import Table
 
 from genq import terminal
-from genq.schema import EXPORTS, RAW, cut_short
+from genq.schema import EXPORTS, RAW, REJECTS, cut_short
 from genq.settings import option
 
 MAX_EXAMPLES = 5
@@ -294,7 +294,7 @@ def files(root: Path) -> Iterator[tuple[str, Path]]:
         rel = path.relative_to(root)
         if any(part.startswith(".") for part in rel.parts):
             continue
-        if _genq_export(path):
+        if _genq_export(path) or _genq_rejects(path):
             continue
         folder = rel.parent.as_posix()
         yield (root.resolve().name if folder == "." else folder), path
@@ -314,6 +314,19 @@ def _genq_export(path: Path) -> bool:
         return False
     pattern = rf"{re.escape(path.parent.name)}-\d+(-\d+)?"
     return isinstance(job_id, str) and re.fullmatch(pattern, job_id) is not None
+
+
+def _genq_rejects(path: Path) -> bool:
+    """The rows `genq run`'s enqueue rejected (producer/rejects.py), beside the records: no records."""
+    if path.name != REJECTS:
+        return False
+    with path.open("rb") as fh:
+        first = fh.readline()
+    try:
+        entry = orjson.loads(first)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(entry, dict) and {"dataset_row", "reason"} <= entry.keys()
 
 
 def folder_stats(root: Path) -> dict[str, DatasetStats]:

@@ -18,6 +18,8 @@ JOB_FUNC = "genq.jobs.generate"
 # and `genq verify` read them.
 RAW = "raw_responses.jsonl"
 ERRORS = "errors.jsonl"
+# The rows `genq run`'s enqueue rejected, beside them (producer/rejects.py writes its lines).
+REJECTS = "rejected.jsonl"
 # What `genq export` writes beside them by default, per format; `genq stats` knows its own exports
 # there and does not count their records twice (collector/stats.py).
 EXPORTS = {

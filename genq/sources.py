@@ -2,13 +2,18 @@
 
 A source yields :class:`Record` objects: the parsed value with where it came from ("path:LINE"
 for line-based files, "path:row N" for Parquet and Hugging Face datasets, N counting from 0 in
-that file), or a per-record error (a malformed JSON line). A source that cannot go on (a broken
+that file), or a per-record error (a malformed JSON line, a row larger than ``max_row_bytes``,
+a value JSON cannot carry on: a lone surrogate, invalid UTF-8, NaN/Infinity, an integer beyond 64
+bits). Every text row is decoded by orjson, so JSON Lines and JSON arrays refuse the same values,
+and a value a job can hold is exactly one orjson can write again. A source that cannot go on (a broken
 JSON array, an unreadable Parquet file) raises :class:`SourceError`: rows after that point have
 no stable number, so nothing after it may be enqueued.
 
-Kinds: JSON Lines (``.jsonl``, ``.ndjson``); ``.json`` (a JSON array, streamed with the standard
-library's C scanner one element at a time so line numbers stay exact, or JSON Lines when the file
-does not start with ``[``); Parquet (``pyarrow``, in record batches); a folder: a Hugging Face
+Kinds: JSON Lines (``.jsonl``, ``.ndjson``, read a bounded chunk at a time so an enormous line is
+skipped, never held); ``.json`` (a JSON array, each element found with the standard library's C
+scanner so line numbers stay exact, then decoded by orjson; an element past ``max_row_bytes`` is
+skipped by a string- and bracket-aware scan that keeps one chunk; or JSON Lines when the file does
+not start with ``[``); Parquet (``pyarrow``, in record batches); a folder: a Hugging Face
 dataset saved with ``save_to_disk`` (memory-mapped) or a local dataset folder (``datasets``,
 streamed, offline).
 
@@ -26,12 +31,14 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import orjson
 
 INSTALL_HINT = "pip install 'genq[datasets]'"
 JSON_CHUNK = 1 << 20
+MAX_ROW_BYTES = 64 << 20  # --max-row-bytes: a larger row is rejected, never read whole
+RAW_BYTES = 4096  # how much of a rejected row is kept in the rejects file
 HF_BATCH = 1000
 LINE_SUFFIXES = (".jsonl", ".ndjson")
 SUFFIXES = (*LINE_SUFFIXES, ".json", ".parquet")
@@ -46,6 +53,7 @@ class Record:
     where: str  # "path:LINE" or "path:row N"
     data: Any = None
     error: str | None = None  # set when the record itself could not be parsed
+    raw: bytes | None = None  # the row as written (its first RAW_BYTES), for the rejects file
 
 
 def expand(specs: list[str]) -> list[Path]:
@@ -69,7 +77,7 @@ def expand(specs: list[str]) -> list[Path]:
     return out
 
 
-def read(path: Path, split: str | None = None) -> Iterator[Record]:
+def read(path: Path, split: str | None = None, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[Record]:
     """Every record of one source, streamed."""
     if path.is_dir():
         return _hf_records(path, split)
@@ -77,11 +85,11 @@ def read(path: Path, split: str | None = None) -> Iterator[Record]:
     if suffix == ".parquet":
         return _parquet_records(path)
     if suffix == ".json" and _first_char(path) == "[":
-        return _json_array_records(path)
-    return _jsonl_records(path, strict_first=suffix == ".json")
+        return _json_array_records(path, max_row_bytes)
+    return _jsonl_records(path, max_row_bytes, strict_first=suffix == ".json")
 
 
-def count(path: Path, split: str | None = None) -> int:
+def count(path: Path, split: str | None = None, max_row_bytes: int = MAX_ROW_BYTES) -> int:
     """How many records ``read`` yields, as cheaply as the kind allows (Parquet and saved
     datasets from their metadata, JSON Lines by counting non-blank lines)."""
     if path.is_dir():
@@ -90,31 +98,91 @@ def count(path: Path, split: str | None = None) -> int:
     if suffix == ".parquet":
         return _parquet_file(path).metadata.num_rows
     if suffix == ".json" and _first_char(path) == "[":
-        return sum(1 for _ in _json_array_records(path))
+        return sum(1 for _ in _json_array_records(path, max_row_bytes))
     with path.open("rb") as fh:
-        return sum(1 for line in fh if line.strip())
+        return sum(1 for _, line, _ in _lines(fh, max_row_bytes) if line is None or line.strip())
+
+
+# -- one row's JSON -------------------------------------------------------------------------
+
+# Where an integer beyond 64 bits may be (orjson reads it as a float): 19 digits in a row, found
+# by mapping digits to 1 and the rest to 0 (a C pass, several times faster than a regex here).
+_DIGITS = bytes(49 if 48 <= i <= 57 else 48 for i in range(256))
+_LONG_RUN = b"1" * 19
+_NOT_JSON = re.compile(rb"\b(NaN|Infinity)\b")
+INT_RANGE = range(-(1 << 63), 1 << 64)  # what orjson reads and writes as an integer
+
+
+def decode(raw: bytes) -> Any:
+    """One row's value, by orjson's rules; raises ValueError saying what is wrong with it."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        msg = str(exc)
+        if "not valid UTF-8" in msg:
+            raise ValueError(f"not valid UTF-8 text (fix the file's encoding): {msg}") from exc
+        if "surrogate" in msg:
+            raise ValueError(f"a lone surrogate in a string (no character to send): {msg}") from exc
+        if _NOT_JSON.search(raw):
+            raise ValueError(f"NaN or Infinity is not a JSON value (write null or a number): {msg}") from exc
+        raise ValueError(f"malformed JSON: {msg}") from exc
+    if _LONG_RUN in raw.translate(_DIGITS):  # rare: the standard library, which keeps big ints, looks
+        json.loads(raw, parse_int=_int64)
+    return value
+
+
+def _int64(text: str) -> int:
+    # parse_int is given the literal, so a huge one is caught before int() refuses it (4300 digits)
+    if len(text) > 21 or int(text) not in INT_RANGE:
+        raise ValueError(f"the integer {text[:30]}{'...' if len(text) > 30 else ''} is beyond 64 bits")
+    return 0
+
+
+def too_large(size: int, limit: int) -> str:
+    return f"the row is larger than --max-row-bytes {limit} ({size} bytes or more): not read"
 
 
 # -- JSON Lines -----------------------------------------------------------------------------
 
 
-def _jsonl_records(path: Path, strict_first: bool = False) -> Iterator[Record]:
+def _lines(fh: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, line, size) of each line, read at most ``limit`` bytes at a time; a longer
+    line comes as None, read on in chunks and dropped, so it is never held whole."""
+    line_no = 0
+    while line := fh.readline(limit + 1):
+        line_no += 1
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line_no, line, len(line)
+            continue
+        size = len(line)
+        while chunk := fh.readline(JSON_CHUNK):
+            size += len(chunk)
+            if chunk.endswith(b"\n"):
+                break
+        yield line_no, None, size
+
+
+def _jsonl_records(path: Path, limit: int = MAX_ROW_BYTES, strict_first: bool = False) -> Iterator[Record]:
     """One record per non-blank line. ``strict_first``: a ``.json`` file whose first line is not
     JSON is neither an array nor JSON Lines; say so once rather than reject every line."""
     with path.open("rb") as fh:
         first = True
-        for line_no, line in enumerate(fh, start=1):
+        for line_no, line, size in _lines(fh, limit):
+            where = f"{path}:{line_no}"
+            if line is None:
+                yield Record(where, error=too_large(size, limit))
+                first = False
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
-                yield Record(where, orjson.loads(line))
-            except orjson.JSONDecodeError as exc:
+                yield Record(where, decode(line), raw=line[:RAW_BYTES])
+            except ValueError as exc:
                 if first and strict_first:
                     raise SourceError(
                         f"{where}: expected a JSON array or JSON Lines (one object per line): {exc}"
                     ) from exc
-                yield Record(where, error=f"malformed JSON: {exc}")
+                yield Record(where, error=str(exc), raw=line[:RAW_BYTES])
             first = False
 
 
@@ -173,67 +241,121 @@ class _Text:
         return self._line_at(self.pos)
 
 
-def _json_array_records(path: Path) -> Iterator[Record]:
+def _json_array_records(path: Path, limit: int = MAX_ROW_BYTES) -> Iterator[Record]:
     """Elements of a top-level JSON array, one at a time, each with the line it starts on.
 
-    ``json.JSONDecoder.raw_decode`` parses one element from the buffer; an element cut by the
-    end of the buffer is retried with more text. A malformed element ends the file (there is no
-    telling where the next one starts): it is yielded as an error, then :class:`SourceError`.
+    ``json.JSONDecoder.raw_decode`` finds where one element ends in the buffer (an element cut by
+    the end of the buffer is retried with more text), then orjson decodes that text, as it does a
+    JSON line. Invalid UTF-8 is read as surrogate escapes, so it is that element's fault alone. An
+    element past ``limit`` is skipped by :func:`_skip_element`, one chunk at a time. A malformed
+    element ends the file (there is no telling where the next one starts): it is yielded as an
+    error, then :class:`SourceError`.
     """
-    decoder = json.JSONDecoder()
-    with path.open("r", encoding="utf-8") as fh:
+    # The scanner's values are thrown away: these keep it from converting (or refusing) numbers.
+    decoder = json.JSONDecoder(parse_int=len, parse_float=len, parse_constant=len)
+    with path.open("r", encoding="utf-8", errors="surrogateescape") as fh:
         text = _Text(fh)
-        try:
-            if text.skip_ws() != "[":
-                raise SourceError(f"{path}: expected a JSON array")
-            text.pos += 1
-            expect_value = True  # after '[' or ','
-            first = True
-            while True:
-                char = text.skip_ws()
-                where = f"{path}:{text.line()}"
-                if char == "]" and (first or not expect_value):
-                    text.pos += 1
-                    break
-                if not char:
-                    raise SourceError(f"{where}: the file ends inside the JSON array (no closing ']')")
-                if not expect_value:
-                    if char != ",":
-                        raise SourceError(f"{where}: expected ',' or ']' between rows, got {char!r}")
-                    text.pos += 1
-                    expect_value = True
-                    continue
-                value, error = _decode_one(decoder, text)
-                if error is not None:
+        if text.skip_ws() != "[":
+            raise SourceError(f"{path}: expected a JSON array")
+        text.pos += 1
+        expect_value = True  # after '[' or ','
+        first = True
+        while True:
+            char = text.skip_ws()
+            where = f"{path}:{text.line()}"
+            if char == "]" and (first or not expect_value):
+                text.pos += 1
+                break
+            if not char:
+                raise SourceError(f"{where}: the file ends inside the JSON array (no closing ']')")
+            if not expect_value:
+                if char != ",":
+                    raise SourceError(f"{where}: expected ',' or ']' between rows, got {char!r}")
+                text.pos += 1
+                expect_value = True
+                continue
+            element, error = _find_element(decoder, text, limit)
+            if element is None:
+                if error is None:
+                    yield Record(where, error=too_large(_skip_element(text, where), limit))
+                else:
                     yield Record(where, error=f"malformed JSON: {error}")
                     raise SourceError(
                         f"{where}: malformed JSON inside the array; rows after it cannot be numbered, so "
                         "none of them (nor later files) are read: fix the file and run again"
                     )
-                yield Record(where, value)
-                expect_value = first = False
-            if text.skip_ws():
-                raise SourceError(f"{path}:{text.line()}: unexpected text after the JSON array")
-        except UnicodeDecodeError as exc:
-            raise SourceError(f"{path}: not UTF-8 text: {exc}") from exc
+            else:
+                raw = element.encode("utf-8", "surrogateescape")
+                if len(raw) > limit:
+                    yield Record(where, error=too_large(len(raw), limit))
+                else:
+                    try:
+                        yield Record(where, decode(raw), raw=raw[:RAW_BYTES])
+                    except ValueError as exc:
+                        yield Record(where, error=str(exc), raw=raw[:RAW_BYTES])
+            expect_value = first = False
+        if text.skip_ws():
+            raise SourceError(f"{path}:{text.line()}: unexpected text after the JSON array")
 
 
-def _decode_one(decoder: json.JSONDecoder, text: _Text) -> tuple[Any, str | None]:
-    """One JSON value at ``text.pos``: (value, None), or (None, why it is malformed)."""
+def _find_element(decoder: json.JSONDecoder, text: _Text, limit: int) -> tuple[str | None, str | None]:
+    """The text of the JSON value at ``text.pos`` (moving past it): (text, None); (None, why it
+    is malformed); or (None, None) when more than ``limit`` characters hold no end of it."""
     while True:
         try:
-            value, end = decoder.raw_decode(text.buf, text.pos)
+            end = decoder.raw_decode(text.buf, text.pos)[1]
         except json.JSONDecodeError as exc:
             # Cut by the end of the buffer (an open string, or trouble right at the end): read on.
             cut = exc.msg.startswith("Unterminated string") or exc.pos >= len(text.buf) - 16
+            if cut and len(text.buf) - text.pos > limit:
+                return None, None
             if cut and text.more():
                 continue
             line = text.line() + text.buf.count("\n", text.pos, exc.pos)
             return None, f"{exc.msg} at line {line}"
         if end >= len(text.buf) and text.more():
             continue  # a number or literal may go on in the next chunk
-        text.pos = end
-        return value, None
+        element, text.pos = text.buf[text.pos : end], end
+        return element, None
+
+
+_IN_STRING = re.compile(r'["\\]')
+_OUTSIDE = re.compile(r'["\[\]{},]')
+
+
+def _skip_element(text: _Text, where: str) -> int:
+    """Move past the element at ``text.pos`` without keeping it: strings and brackets are
+    followed a chunk at a time, the text behind dropped. Returns its size in characters."""
+    size, depth, in_string, pos = 0, 0, False, text.pos
+    while True:
+        found = (_IN_STRING if in_string else _OUTSIDE).search(text.buf, pos)
+        if found is None or (in_string and found.group() == "\\" and found.end() >= len(text.buf)):
+            pos = len(text.buf) if found is None else found.start()
+            size, text.pos = size + pos - text.pos, pos
+            if not text.more():
+                raise SourceError(f"{where}: the file ends inside a row of the JSON array")
+            pos = text.pos
+            continue
+        char, pos = found.group(), found.end()
+        if in_string:
+            if char == "\\":
+                pos += 1  # the escaped character
+                continue
+            in_string = False
+        elif char == '"':
+            in_string = True
+            continue
+        elif char in "[{":
+            depth += 1
+            continue
+        elif char in "]}":
+            depth -= 1
+        if depth < 0 or char == "," and depth == 0:
+            pos = found.start()  # the array's own ',' or ']': not the element's
+        elif depth > 0:
+            continue
+        size, text.pos = size + pos - text.pos, pos
+        return size
 
 
 # -- Parquet ----------------------------------------------------------------------------------

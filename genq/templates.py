@@ -23,6 +23,25 @@ class TemplateError(Exception):
     """The tokenizer cannot be loaded, or has no chat template."""
 
 
+def _repo_id(name: str) -> bool:
+    """Whether ``name`` can be a Hub repo id, by the Hub's own rule (huggingface_hub's
+    utils/_validators.py validate_repo_id), so a mistyped path is not reported as a repo."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _cached(repo: str) -> bool:
+    """Whether the local Hugging Face cache holds the repo's tokenizer config."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo, "tokenizer_config.json"), str)
+
+
 class ChatTemplate:
     def __init__(self, name: str, kwargs: dict[str, Any] | None = None):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,13 +50,21 @@ class ChatTemplate:
             from transformers import AutoTokenizer
         except ImportError as exc:
             raise TemplateError(f"--tokenizer needs transformers: {INSTALL_HINT}") from exc
+        if not os.path.exists(name) and not _repo_id(name):
+            raise TemplateError(
+                f"tokenizer {name!r} not found: not a local folder and not a Hugging Face repo id; pass a "
+                "path or a repo id"
+            )
+        if not os.path.exists(name) and not _cached(name):
+            raise TemplateError(
+                f"tokenizer {name!r} not found: not a local folder, and the Hugging Face repo is not in the "
+                f"local cache (genq never downloads: `hf download {name}` first, or pass a path)"
+            )
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
         except (OSError, ValueError) as exc:
-            raise TemplateError(
-                f"--tokenizer {name}: cannot load it from a local folder or the local Hugging Face cache "
-                f"(genq never downloads): {exc}"
-            ) from exc
+            why = " ".join(str(exc).split())  # transformers' messages run over several lines
+            raise TemplateError(f"--tokenizer {name}: cannot load it (genq never downloads): {why}") from exc
         if not getattr(self.tokenizer, "chat_template", None):
             raise TemplateError(f"--tokenizer {name}: it has no chat template")
         self.name = name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,11 @@ from producer.dry_run import check_files, describe
 from producer.enqueue import Options, Summary, enqueue_dataset
 from producer.formats import CHAT_FORMATS, FIELDS, FORMATS, Shape
 from producer.readers import first_sampling
+from producer.rejects import RejectsFile
+
+# The exit status of an enqueue that rejected rows (the rest enqueued), unless --allow-rejects.
+EXIT_REJECTED = 3
+SIZE_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
 # A Redis started beside enqueue (compose, where podman honours no health condition) gets this long
 # to answer before enqueue gives up.
@@ -46,6 +52,14 @@ def _fields(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
             raise click.BadParameter(f"expected NAME=COLUMN with NAME one of {names}, got {value!r}")
         out[name] = column
     return out
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    """A byte count: 67108864, 64MiB, 64M, 512KiB."""
+    found = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", str(value))
+    if found is None or found[2].lower() not in SIZE_UNITS or int(found[1]) < 1:
+        raise click.BadParameter(f"expected a size in bytes such as 67108864, 64MiB or 512KiB, got {value!r}")
+    return int(found[1]) * SIZE_UNITS[found[2].lower()]
 
 
 @click.command("enqueue")
@@ -136,6 +150,26 @@ def _fields(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     help="Keep at most N jobs waiting in Redis; top the queue up as it drains.",
 )
 @option(
+    "--max-row-bytes",
+    callback=_size,
+    default="64MiB",
+    metavar="SIZE",
+    help="Reject a row larger than this (JSON Lines and JSON arrays), without reading it whole.",
+)
+@option(
+    "--rejects",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write each rejected row (file, line, field, reason, the row's first 4 KiB) to this JSON Lines "
+    "file, anew each run.",
+)
+@option(
+    "--allow-rejects",
+    is_flag=True,
+    help=f"Exit 0 when rows were rejected (default: exit {EXIT_REJECTED}); the good rows are enqueued "
+    "either way.",
+)
+@option(
     "--reasoning-preset",
     type=click.Choice(list(thinking.PRESETS)),
     default=None,
@@ -173,6 +207,9 @@ def enqueue_command(
     vocab_size,
     clip_max_new_tokens,
     max_queued,
+    max_row_bytes,
+    rejects,
+    allow_rejects,
     reasoning_preset,
     think_start,
     think_start_token_id,
@@ -266,7 +303,7 @@ def enqueue_command(
     )
     row_base = None
     try:
-        first = first_sampling(paths, shape, split)
+        first = first_sampling(paths, shape, split, max_row_bytes)
     except sources.SourceError as exc:
         raise click.ClickException(str(exc)) from exc
     if first is not None:  # OpenAI Batch rows: the first one's sampling is the dataset's
@@ -286,6 +323,7 @@ def enqueue_command(
         limits=limits,
         clip=clip_max_new_tokens,
         max_queued=max_queued,
+        max_row_bytes=max_row_bytes,
         row_base=row_base,
     )
     if dry_run:
@@ -298,6 +336,7 @@ def enqueue_command(
         raise click.ClickException(f"Redis unreachable at {redact(redis_url)}: {exc}") from exc
     if not register_only:
         hint_hash_encoding(conn)
+    rejects_file = RejectsFile(rejects) if rejects is not None and not register_only else None
     try:
         summary = enqueue_dataset(
             conn,
@@ -310,6 +349,7 @@ def enqueue_command(
             replace_settings,
             report=lambda line: click.echo(line, err=True),
             register_only=register_only,
+            rejects=rejects_file,
         )
     except datasets.SettingsMismatch as exc:
         raise click.ClickException(str(exc)) from exc
@@ -320,12 +360,23 @@ def enqueue_command(
             f"Redis went away ({exc}): each batch is one MULTI, so nothing is half-enqueued; run the same "
             "command again (it skips what is already queued or done)"
         ) from exc
+    finally:
+        if rejects_file is not None:
+            rejects_file.close()
     if register_only:
         click.echo(f"{name}: settings recorded")
         return
     print_summary(name, summary)
     if summary.fatal:
         raise click.ClickException(summary.fatal)
+    if summary.rejected and not allow_rejects:
+        listed = f"listed in {rejects}" if rejects is not None else "listed above; --rejects FILE keeps them"
+        click.echo(
+            f"Error: {name}: {summary.rejected} rows rejected ({listed}); the other rows are enqueued. "
+            f"Fix them and run again, or pass --allow-rejects to accept (exit {EXIT_REJECTED})",
+            err=True,
+        )
+        sys.exit(EXIT_REJECTED)
 
 
 def rows_recipe(params: dict[str, Any], where: str, own: dict[str, Any]) -> dict[str, Any]:

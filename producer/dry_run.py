@@ -62,7 +62,8 @@ def check_files(
 
 def _rows(path: Path, options: Options, report: Report) -> Iterator[Row | Rejected]:
     stream: Iterator[tuple[Row | Rejected, list[int]]] = (
-        (item, [0]) for item in read_dataset([path], options.shape, options.split, report)
+        (item, [0])
+        for item in read_dataset([path], options.shape, options.split, report, options.max_row_bytes)
     )
     if options.template is not None:
         stream = render_stream(stream, options.template, options.shape.turns == "all")

@@ -36,6 +36,7 @@ from producer import rq_jobs
 from producer.context import Limits, check_fits, check_recipe, check_vocab
 from producer.formats import Shape
 from producer.readers import Rejected, Row, read_dataset
+from producer.rejects import RejectsFile
 
 log = logging.getLogger("genq.enqueue")
 
@@ -64,6 +65,7 @@ class Options:
     limits: Limits = field(default_factory=Limits)
     clip: bool = False
     max_queued: int | None = None
+    max_row_bytes: int = sources.MAX_ROW_BYTES
     # What an openai-batch row's own sampling is laid over before it is compared with the dataset's
     # (the command line's settings); None: the dataset's settings.
     row_base: dict[str, Any] | None = None
@@ -112,10 +114,12 @@ def enqueue_rows(
     options: Options | None = None,
     expected_rows: int | None = None,
     report: Report = lambda line: None,
+    rejects: RejectsFile | None = None,
 ) -> Summary:
     """Enqueue every usable row not already enqueued (or done), ``settings.samples`` jobs each.
 
-    Rejected rows (and rows clipped to fit) are reported as they come. ``expected_rows`` (the
+    Rejected rows (and rows clipped to fit) are reported as they come, rejected ones also to
+    ``rejects``. ``expected_rows`` (the
     sources' row count) lets `genq status` show the dataset's full total while ``max_queued``
     holds most of it back.
     """
@@ -132,6 +136,8 @@ def enqueue_rows(
             if isinstance(item, Rejected):
                 summary.rejected += 1
                 report(f"rejected {item}")
+                if rejects is not None:
+                    rejects.write(item)
                 pusher.reject(item.row)
                 continue
             if item.max_new_tokens is not None:
@@ -154,7 +160,7 @@ def checked(item: Row | Rejected, params: dict[str, Any], options: Options) -> R
     sampling (an openai-batch row's) is the dataset's."""
     if isinstance(item, Rejected):
         return item
-    limits = options.limits
+    raw, limits = item.raw, options.limits
     if limits.vocab_size is not None:
         item = check_vocab(item, limits.vocab_size)
     if isinstance(item, Row) and item.prompt.sampling is not None:
@@ -162,6 +168,8 @@ def checked(item: Row | Rejected, params: dict[str, Any], options: Options) -> R
     if isinstance(item, Row):
         max_new = int(params["max_new_tokens"])
         item = check_fits(item, max_new, limits.context_length, options.clip, limits.max_input_len)
+    if isinstance(item, Rejected):
+        item.raw = raw
     return item
 
 
@@ -227,7 +235,7 @@ def _render_held(
         if isinstance(item, Row) and item.prompt.messages is not None:
             ids = next(rendered)
             if isinstance(ids, str):
-                yield Rejected(item.where, item.row, ids), todo
+                yield Rejected(item.where, item.row, ids, item.raw), todo
                 continue
             item.prompt.input_ids = ids
         yield item, todo
@@ -349,6 +357,7 @@ def enqueue_dataset(
     replace_settings: bool = False,
     report: Report = lambda line: None,
     register_only: bool = False,
+    rejects: RejectsFile | None = None,
 ) -> Summary:
     """Register the dataset's settings (decision 12), then enqueue its sources (unless
     ``register_only``: `genq run` registers first, so its collector knows the dataset).
@@ -363,7 +372,7 @@ def enqueue_dataset(
         return Summary()
     expected = None
     if options.max_queued is not None:
-        expected = sum(sources.count(path, options.split) for path in paths)
+        expected = sum(sources.count(path, options.split, options.max_row_bytes) for path in paths)
         report(f"{dataset}: {expected} rows in its sources; at most {options.max_queued} jobs queued at once")
-    rows = read_dataset(paths, options.shape, options.split, report)
-    return enqueue_rows(conn, keys, settings, rows, options, expected, report)
+    rows = read_dataset(paths, options.shape, options.split, report, options.max_row_bytes)
+    return enqueue_rows(conn, keys, settings, rows, options, expected, report, rejects)

@@ -17,6 +17,7 @@ conversations are refused (genq never guesses a chat template).
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,7 +114,8 @@ class Shape:
             present = ", ".join(sorted(map(str, data))) or "none"
             names = [repr(self.col(KEY_COLUMN[f])) for f in FORMATS]
             wanted = ", ".join(names[:-1]) + " or " + names[-1]
-            raise RowError(f"no prompt: expected field {wanted} (fields present: {present})")
+            hint = self._hint(data)
+            raise RowError(f"no prompt: expected field {wanted} (fields present: {present}){hint}")
         if self.col(KEY_COLUMN[fmt]) not in data:
             present = ", ".join(sorted(map(str, data))) or "none"
             raise RowError(f"field '{self.col(KEY_COLUMN[fmt])}': missing (fields present: {present})")
@@ -131,6 +133,17 @@ class Shape:
             turns = [{"role": "user", "content": text}]
             return fmt, Prompt(messages=self._conversation(data, turns, fmt), source_id=source_id)
         return fmt, Prompt(text=text, source_id=source_id)
+
+    def _hint(self, data: dict[str, Any]) -> str:
+        """The --field that would read this row, when one of its fields looks like a key column
+        (``convos`` for ``conversations``)."""
+        present = [str(k) for k in data if k not in FIELDS]  # genq's own names are read as such
+        for fmt in FORMATS:
+            name = KEY_COLUMN[fmt]
+            column = next((c for c in present if _alike(c, self.col(name))), None)
+            if column is not None:
+                return f"; if '{column}' holds the {fmt} rows, pass --field {name}={column}"
+        return ""
 
     def check_usable(self, fmt: str, what: str | None = None) -> None:
         """``what``: how the rows are named in the message (default: their format)."""
@@ -212,9 +225,13 @@ class Shape:
                 raise RowError(
                     f"{where}: expected an object with '{role}' and '{content}', not {_type(turn)}"
                 )
+            if role not in turn:
+                raise RowError(f"{where}.{role}: missing (the turn has {_keys(turn)})")
             if not isinstance(turn.get(role), str) or not turn[role]:
                 raise RowError(f"{where}.{role}: expected a non-empty string, got {_type(turn.get(role))}")
             text = turn.get(content)
+            if content not in turn and not turn.get("tool_calls"):
+                raise RowError(f"{where}.{content}: missing (the turn has {_keys(turn)})")
             if not isinstance(text, str) and not (text is None and turn.get("tool_calls")):
                 raise RowError(f"{where}.{content}: expected a string, got {_type(text)}")
             rest = {k: v for k, v in turn.items() if k not in (role, content)}
@@ -230,6 +247,9 @@ class Shape:
                 raise RowError(
                     f"{where}: expected an object with '{speaker}' and '{value}', not {_type(turn)}"
                 )
+            for key in (speaker, value):
+                if key not in turn:
+                    raise RowError(f"{where}.{key}: missing (the turn has {_keys(turn)})")
             role = SHAREGPT_ROLES.get(turn.get(speaker)) if isinstance(turn.get(speaker), str) else None
             if role is None:
                 known = ", ".join(SHAREGPT_ROLES)
@@ -286,6 +306,21 @@ def _source_id(data: dict[str, Any], name: str) -> str | None:
     if not isinstance(value, str | int) or isinstance(value, bool):
         raise RowError(f"field '{name}': expected a string or integer, got {_type(value)}")
     return str(value)
+
+
+def _alike(column: str, wanted: str) -> bool:
+    """A column name that is probably ``wanted`` under another name: a prefix of 4+ letters
+    either way (convos, conv, prompts), or close in spelling."""
+    if column == wanted:
+        return False
+    a, b = column.lower(), wanted.lower()
+    if len(a) >= 4 and len(b) >= 4 and (a.startswith(b[:4]) or b.startswith(a[:4])):
+        return True
+    return difflib.SequenceMatcher(None, a, b).ratio() >= 0.8
+
+
+def _keys(turn: dict[str, Any]) -> str:
+    return ", ".join(repr(str(k)) for k in turn) or "no fields"
 
 
 def _type(value: Any) -> str:

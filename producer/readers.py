@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
 from genq import sources
 from genq.sources import SourceError
 from producer.formats import Prompt, RowError, Shape, ShapeError
@@ -25,6 +27,7 @@ class Row:
     row: int
     prompt: Prompt
     max_new_tokens: int | None = None  # clipped to fit the context (--clip-max-new-tokens)
+    raw: bytes | None = None  # the row as written (its start), should a later check reject it
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Rejected:
     where: str
     row: int
     reason: str
+    raw: bytes | None = None  # the row as written (its first bytes), when it came from text
 
     def __str__(self) -> str:
         return f"{self.where}: {self.reason}"
@@ -42,35 +46,46 @@ def read_dataset(
     shape: Shape,
     split: str | None = None,
     report: Callable[[str], None] = lambda line: None,
+    max_row_bytes: int = sources.MAX_ROW_BYTES,
 ) -> Iterator[Row | Rejected]:
     """All rows of a dataset's sources in order. With ``--format auto``, ``report`` hears each
     file's format (and any other format met further on in the same file)."""
     row = 0
     for path in paths:
         seen: set[str] = set()
-        for record in sources.read(path, split):
+        for record in sources.read(path, split, max_row_bytes):
             if record.error is not None:
-                yield Rejected(record.where, row, record.error)
+                yield Rejected(record.where, row, record.error, record.raw)
                 row += 1
                 continue
             try:
                 fmt, prompt = shape.parse(record.data)
             except RowError as exc:
-                yield Rejected(record.where, row, str(exc))
+                yield Rejected(record.where, row, str(exc), record.raw or _as_json(record.data))
             except ShapeError as exc:
                 raise SourceError(f"{record.where}: {exc}") from exc
             else:
                 if shape.format == "auto" and fmt not in seen:
                     report(f"{path}: format {fmt}" if not seen else f"{record.where}: also format {fmt}")
                     seen.add(fmt)
-                yield Row(record.where, row, prompt)
+                yield Row(record.where, row, prompt, raw=record.raw)
             row += 1
 
 
-def first_sampling(paths: list[Path], shape: Shape, split: str | None = None) -> tuple[str, dict] | None:
+def first_sampling(
+    paths: list[Path], shape: Shape, split: str | None = None, max_row_bytes: int = sources.MAX_ROW_BYTES
+) -> tuple[str, dict] | None:
     """Where the dataset's first usable row is and its own sampling, when it carries some (an OpenAI
     Batch request line): those become the dataset's settings. None when that row carries none."""
-    for item in read_dataset(paths, shape, split):
+    for item in read_dataset(paths, shape, split, max_row_bytes=max_row_bytes):
         if isinstance(item, Row):
             return (item.where, item.prompt.sampling) if item.prompt.sampling is not None else None
     return None
+
+
+def _as_json(data: object) -> bytes | None:
+    """A row that was not text (Parquet, a dataset folder), as JSON for the rejects file."""
+    try:
+        return orjson.dumps(data, default=str, option=orjson.OPT_SERIALIZE_NUMPY)[: sources.RAW_BYTES]
+    except TypeError:
+        return None

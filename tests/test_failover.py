@@ -39,7 +39,7 @@ def test_verify_reports_a_duplicated_line_and_a_missing_one(procs, start_sim, ou
     prompts = write_prompts(data, 50)
     with data.open("ab") as fh:
         fh.write(b'{"prompt": ""}\n')  # rejected at enqueue: accounted for, not missing
-    assert procs.run("enqueue", data, "--max-new-tokens", "100").returncode == 0
+    assert procs.run("enqueue", data, "--max-new-tokens", "100").returncode == 3  # the rejected row
     assert procs.run("worker", "--server", url, "--burst").returncode == 0
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
     check_records(out, "audit", prompts, PARAMS)  # a sound run: what verify finds wrong next is the edit

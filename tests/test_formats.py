@@ -15,7 +15,7 @@ from genq.keys import Keys
 from genq.sources import SourceError
 from producer.formats import Shape
 from producer.readers import Rejected, Row, read_dataset
-from tests.helpers import write_jsonl
+from tests.helpers import read_jsonl, write_jsonl
 
 CONVERSATION = [
     {"from": "system", "value": "You are a helpful assistant."},
@@ -151,7 +151,7 @@ def test_bad_rows_are_rejected_with_where_and_why_in_process(tmp_path):
         4: f"{data}:5: field 'conversations'[0].value: expected a string, got int",
         5: f"{data}:6: field 'conversations'[0].from: expected one of human, user, gpt",
         6: f"{data}:7: field 'messages': expected a non-empty list of turns, got str",
-        7: f"{data}:8: field 'messages'[0].content: expected a string, got null",
+        7: f"{data}:8: field 'messages'[0].content: missing (the turn has 'role')",
         8: f"{data}:9: field 'prompt': expected a non-empty string",
         9: f"{data}:10: field 'input': expected a string, got list",
         10: f"{data}:11: field 'id': expected a string or integer, got list",
@@ -304,8 +304,20 @@ def test_enqueue_reports_formats_and_rejects_bad_rows_while_the_rest_go_through(
     )
     parquet = tmp_path / "more.parquet"
     pq.write_table(pa.table({"input_ids": [[7, 8], [], [9]]}), parquet)
-    res = procs.run("enqueue", data, parquet, "--dataset", "mix", "--max-new-tokens", "16")
-    assert res.returncode == 0, res.stderr
+    rejects = tmp_path / "rejects.jsonl"
+    res = procs.run(
+        "enqueue", data, parquet, "--dataset", "mix", "--max-new-tokens", "16", "--rejects", rejects
+    )
+    assert res.returncode == 3, res.stderr  # rows rejected, the rest enqueued
+    # A Parquet row has no line: its row in the file, and itself as JSON.
+    assert read_jsonl(rejects)[-1] == {
+        "file": str(parquet),
+        "row": 1,
+        "dataset_row": 6,
+        "field": "input_ids",
+        "reason": "field 'input_ids': expected a non-empty list of integers, got list",
+        "raw": '{"input_ids":[]}',
+    }
     assert "mix: read 8, enqueued 5, skipped 0, rejected 3" in res.stdout
     assert f"{data}: format prompt" in res.stderr
     assert f"{data}:4: also format input_ids" in res.stderr

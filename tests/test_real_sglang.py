@@ -162,7 +162,7 @@ def test_context_checks_agree_with_the_real_scheduler(procs, sglang, out, tmp_pa
         assert (status == 200) is ok, (len(ids), status, body)
     data = write_ids(tmp_path / "ctx.jsonl", [hf_prompts(1)[0], longest, refused])
     res = procs.run("enqueue", data, "--max-new-tokens", "1", "--temperature", "0", "--server", sglang.url)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 3, res.stderr  # rows rejected, the rest enqueued
     assert "enqueued 2, skipped 0, rejected 1" in res.stdout, res.stdout
     assert f"{data}:3: field 'input_ids': {limit} prompt tokens" in res.stderr, res.stderr
 

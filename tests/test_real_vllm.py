@@ -173,7 +173,7 @@ def test_a_prompt_over_the_context(procs, vllm, out, tmp_path):
     assert status == 400, body
     data = write_ids(tmp_path / "ctx.jsonl", [*hf_prompts(2, seed=14), long])
     res = procs.run("enqueue", data, "--max-new-tokens", "4", "--server", vllm.url)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 3, res.stderr  # rows rejected, the rest enqueued
     assert "enqueued 2, skipped 0, rejected 1" in res.stdout, res.stdout
     assert f"{data}:3: field 'input_ids'" in res.stderr, res.stderr
 

@@ -145,7 +145,7 @@ def test_too_long_prompts_are_rejected_at_enqueue_naming_the_row(procs, start_si
         data, [{"input_ids": [101] * 100}, {"input_ids": [101] * 400}, {"prompt": "text is not counted"}]
     )
     res = procs.run("enqueue", data, "--max-new-tokens", "200", "--server", url)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 3, res.stderr  # rows rejected, the rest enqueued
     assert "enqueued 2, skipped 0, rejected 1" in res.stdout
     assert f"{data}:2: field 'input_ids': 400 prompt tokens + max_new_tokens 200 do not fit" in res.stderr
     res = procs.run(

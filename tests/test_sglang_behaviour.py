@@ -253,7 +253,7 @@ def test_sglang_0_5_5_works_through_its_old_routes(procs, start_sim, out, tmp_pa
     rows = [[101] * 100, [101] * 506, [101] * 505]  # max_req_input_len = 512 - 6
     write_rows(data, rows)
     res = procs.run("enqueue", data, "--max-new-tokens", "2", "--server", url)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 3, res.stderr  # rows rejected, the rest enqueued
     assert "enqueued 2, skipped 0, rejected 1" in res.stdout
     assert (
         f"{data}:2: field 'input_ids': 506 prompt tokens; the server takes only prompts shorter than 506"
@@ -385,6 +385,6 @@ def test_ids_outside_the_vocabulary_are_rejected_naming_the_row(procs, tmp_path)
     data = tmp_path / "vocab.jsonl"
     write_rows(data, [[1, 2, 3], [1, 999, 3], [998]])
     res = procs.run("enqueue", data, "--vocab-size", "999")
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 3, res.stderr  # rows rejected, the rest enqueued
     assert "enqueued 2, skipped 0, rejected 1" in res.stdout
     assert f"{data}:2: field 'input_ids'[1]: token id 999 is outside the vocabulary [0, 999)" in res.stderr

@@ -116,7 +116,7 @@ def test_template_refusals_and_prompts_too_long_are_rejected_or_clipped(
         context,
     ]
     res = procs.run(*args)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 3, res.stderr  # rows rejected, the rest enqueued
     assert "read 4, enqueued 1, skipped 0, rejected 3" in res.stdout
     assert f"rejected {data}:2: chat template: TemplateError: unknown role tool" in res.stderr
     assert (
@@ -124,7 +124,7 @@ def test_template_refusals_and_prompts_too_long_are_rejected_or_clipped(
         f"in the context length of {context}"
     ) in res.stderr
     res = procs.run(*args, "--dataset", "clipped", "--clip-max-new-tokens")
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 3, res.stderr  # rows rejected, the rest enqueued
     assert "read 4, enqueued 2, skipped 0, rejected 2, clipped 1" in res.stdout
     assert f"clipped {data}:3: max_new_tokens 100 -> {context - 1 - len(ids[2])} to fit" in res.stderr
     assert f"rejected {data}:4: field 'input_ids': {len(ids[3])} prompt tokens leave no room" in res.stderr
@@ -148,9 +148,21 @@ def test_a_tokenizer_that_cannot_be_loaded_offline_is_a_clear_error(procs, tmp_p
     data = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "hello"}])
     res = procs.run("enqueue", data, "--tokenizer", "no-such-org/no-such-model")
     assert res.returncode != 0
-    assert "--tokenizer no-such-org/no-such-model: cannot load it from a local folder" in res.stderr
-    with pytest.raises(TemplateError, match="cannot load it"):
-        ChatTemplate(str(tmp_path / "missing"))
+    assert res.stderr == (
+        "Error: tokenizer 'no-such-org/no-such-model' not found: not a local folder, and the Hugging Face "
+        "repo is not in the local cache (genq never downloads: `hf download no-such-org/no-such-model` "
+        "first, or pass a path)\n"
+    )
+    # A mistyped path is no repo id: said so, not Hugging Face's "Repo id must be in the form ...".
+    missing = tmp_path / "missing"
+    res = procs.run("enqueue", data, "--tokenizer", missing)
+    assert res.returncode != 0
+    assert res.stderr == (
+        f"Error: tokenizer '{missing}' not found: not a local folder and not a Hugging Face repo id; pass a "
+        "path or a repo id\n"
+    )
+    with pytest.raises(TemplateError, match="not found"):
+        ChatTemplate(str(missing))
 
 
 # -- think markers ----------------------------------------------------------------------------

@@ -29,8 +29,9 @@ from genq.connection import connect, redact, split_password
 from genq.keys import Keys, validate_name
 from genq.reaper import requeue_orphans
 from genq.redis_errors import Outage, patiently
+from genq.schema import REJECTS
 from genq.settings import option, redis_options
-from producer.cli import enqueue_command  # `genq run` is the roles together, as the genq CLI is
+from producer.cli import EXIT_REJECTED, enqueue_command  # `genq run` is the roles together, as genq is
 from worker.config import ConcurrencyParam
 
 
@@ -44,7 +45,17 @@ class Interrupted(Exception):
 FOLLOW_EVERY_S = 0.1
 # The APIs `genq sim-server` speaks (its --api); auto means SGLang's.
 SIMULATED = ("auto", "sglang", "vllm", "openai-chat")
-_RUN_OWN = {"files", "dataset", "server", "backend", "redis_url", "namespace", "register_only", "dry_run"}
+_RUN_OWN = {
+    "files",
+    "dataset",
+    "server",
+    "backend",
+    "redis_url",
+    "namespace",
+    "register_only",
+    "dry_run",
+    "rejects",
+}
 
 
 def _raw(param: click.Parameter) -> click.Parameter:
@@ -192,7 +203,7 @@ def run_command(
                 *extra,
             )
             result = subprocess.run(argv, env={**os.environ, **env})
-            if result.returncode != 0:
+            if result.returncode not in (0, EXIT_REJECTED):
                 raise click.ClickException(f"enqueue of {name} failed (exit {result.returncode})")
 
         for name, paths in groups:
@@ -207,8 +218,16 @@ def run_command(
         children.append(collector)
         for name, _ in groups:
             _wait_ready(conn, keys, name, collector, 60)
+        rejected: dict[str, int] = {}
         for name, paths in groups:
-            enqueue(name, paths)
+            enqueue(name, paths, "--rejects", str(out / name / REJECTS))
+            rejected[name] = _lines_in(out / name / REJECTS)
+            if rejected[name]:
+                click.echo(
+                    f"genq run: {name}: {rejected[name]} rows rejected, listed in {out / name / REJECTS}; "
+                    "the other rows run",
+                    err=True,
+                )
         worker_argv = genq_command("worker", "--backend", backend, "--concurrency", str(concurrency))
         pool = [_start(worker_argv, logs / f"worker-{i}.log", env) for i in range(workers)]
         children.extend(pool)
@@ -225,6 +244,16 @@ def run_command(
             verify.print_audit(result)
         if not all(r.ok for r in audits):
             raise click.ClickException("verify found jobs missing or duplicated (see above)")
+        for name, n in rejected.items():
+            if n:
+                click.echo(f"{name}: {n} rows rejected at enqueue -> {out / name / REJECTS}")
+        if any(rejected.values()) and not _enqueue_options.get("allow_rejects"):
+            click.echo(
+                f"Error: rows were rejected (listed above); the rest ran. Fix them and run again, or pass "
+                f"--allow-rejects (exit {EXIT_REJECTED})",
+                err=True,
+            )
+            sys.exit(EXIT_REJECTED)
     except Interrupted:
         click.echo("\ngenq run: interrupted; run the same command again to resume", err=True)
         for proc in reversed(children):
@@ -327,3 +356,11 @@ def _follow(conn, keys: Keys, pool, collector, worker_argv, logs: Path, env) -> 
                 f"the collector exited ({collector.returncode}); see OUT/.logs/collector.log"
             )
         time.sleep(FOLLOW_EVERY_S)
+
+
+def _lines_in(path: Path) -> int:
+    """How many rows a rejects file lists (none when the enqueue wrote none)."""
+    if not path.exists():
+        return 0
+    with path.open("rb") as fh:
+        return sum(1 for _ in fh)
