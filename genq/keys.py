@@ -8,7 +8,8 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``in_stream``              hash   dataset -> entries in its stream (moves with the stream, in one MULTI)
 - ``in_source``              hash   dataset -> jobs not enqueued yet, still in its files (``enqueue
                                     --max-queued``; gone once the enqueue has read every row)
-- ``enqueuing:<name>``       string an enqueue of the dataset is running (TTL 60 s, refreshed as it pushes)
+- ``enqueuing:<name>``       string the lease of the one enqueue of the dataset running (``host:pid:token``;
+                                    TTL 10 s, renewed every 2 s; each push is fenced by it: producer/lease.py)
 - ``ds:<name>:enqueued``     bitmap one bit per job ever enqueued (index = row * samples + sample)
 - ``ds:<name>:done``         bitmap jobs whose record is on disk (set only after fsync)
 - ``ds:<name>:failed``       bitmap jobs whose error is on disk

@@ -22,6 +22,7 @@ from producer.context import Limits
 from producer.dry_run import check_files, describe
 from producer.enqueue import Options, Summary, enqueue_dataset
 from producer.formats import CHAT_FORMATS, FIELDS, FORMATS, Shape
+from producer.lease import LeaseLost
 from producer.readers import first_sampling
 
 # A Redis started beside enqueue (compose, where podman honours no health condition) gets this long
@@ -311,7 +312,7 @@ def enqueue_command(
             report=lambda line: click.echo(line, err=True),
             register_only=register_only,
         )
-    except datasets.SettingsMismatch as exc:
+    except (datasets.SettingsMismatch, LeaseLost) as exc:
         raise click.ClickException(str(exc)) from exc
     except sources.SourceError as exc:  # the count pass of --max-queued met a broken file
         raise click.ClickException(str(exc)) from exc

@@ -13,8 +13,6 @@ that many waiting jobs whatever the dataset's size.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.client import Pipeline
 
 from genq import datasets, sources
 from genq.bitmaps import is_set, set_bits
@@ -35,6 +34,7 @@ from genq.templates import ChatTemplate
 from producer import rq_jobs
 from producer.context import Limits, check_fits, check_recipe, check_vocab
 from producer.formats import Shape
+from producer.lease import Lease
 from producer.readers import Rejected, Row, read_dataset
 
 log = logging.getLogger("genq.enqueue")
@@ -120,8 +120,26 @@ def enqueue_rows(
     holds most of it back.
     """
     options = options or Options()
+    lease = Lease(conn, keys.enqueuing(settings.name), settings.name)
+    patiently(lambda: lease.acquire(report), Outage(log))  # before the bitmaps are read
+    try:
+        return _enqueue_leased(conn, keys, settings, rows, options, expected_rows, report, lease)
+    finally:
+        lease.release()
+
+
+def _enqueue_leased(
+    conn: redis.Redis,
+    keys: Keys,
+    settings: datasets.DatasetSettings,
+    rows: Iterable[Row | Rejected],
+    options: Options,
+    expected_rows: int | None,
+    report: Report,
+    lease: Lease,
+) -> Summary:
     summary = Summary()
-    pusher = _Pusher(conn, keys, settings, options, expected_rows)
+    pusher = _Pusher(conn, keys, settings, options, expected_rows, lease)
     stream = _fresh(conn, keys, settings, rows, summary)
     if options.template is not None:
         stream = render_stream(stream, options.template, options.shape.turns == "all")
@@ -145,7 +163,6 @@ def enqueue_rows(
     pusher.flush_rejected()
     if summary.fatal is None:  # every row read: the bitmap holds the full total
         patiently(lambda: conn.hdel(keys.in_source, settings.name), pusher.outage)
-    patiently(lambda: conn.delete(keys.enqueuing(settings.name)), pusher.outage)
     return summary
 
 
@@ -233,11 +250,6 @@ def _render_held(
         yield item, todo
 
 
-# Says an enqueue is running (`genq verify` then counts rows still in the files as on their way).
-ALIVE = f"{socket.gethostname()}:{os.getpid()}"
-ALIVE_TTL_S = 60
-
-
 class _Pusher:
     """Builds job payloads and pushes them in MULTI batches, waiting for room with ``max_queued``."""
 
@@ -248,8 +260,10 @@ class _Pusher:
         settings: datasets.DatasetSettings,
         options: Options,
         expected_rows: int | None,
+        lease: Lease,
     ):
         self.conn, self.keys, self.settings, self.options = conn, keys, settings, options
+        self.lease = lease
         self.queue = rq_queue(conn, keys, settings.name)
         self.size = BATCH if options.max_queued is None else max(1, min(BATCH, options.max_queued // 2))
         self.expected_jobs = expected_rows * settings.samples if expected_rows is not None else None
@@ -291,20 +305,20 @@ class _Pusher:
         return len(batch)
 
     def _push(self, batch: list[tuple[int, rq_jobs.Job]]) -> None:
-        name = self.settings.name
         if self.options.max_queued is not None:
             while self.conn.llen(self.queue.key) + len(batch) > self.options.max_queued:
-                self.conn.set(self.keys.enqueuing(name), ALIVE, ex=ALIVE_TTL_S)
+                self.lease.renew()
                 time.sleep(POLL_S)
-        with self.conn.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.enqueuing(name), ALIVE, ex=ALIVE_TTL_S)
-            rq_jobs.push(pipe, self.queue, [job for _, job in batch], JOBS)
-            set_bits(pipe, self.keys.enqueued(name), [index for index, _ in batch])
-            if self.expected_jobs is not None:
-                # Jobs of the rows after this batch: still in the files (`genq status` counts them queued).
-                left = max(0, self.expected_jobs - batch[-1][0] - 1)
-                pipe.hset(self.keys.in_source, name, left)
-            pipe.execute()
+        self.lease.push(lambda pipe: self._queue_push(pipe, batch))
+
+    def _queue_push(self, pipe: Pipeline, batch: list[tuple[int, rq_jobs.Job]]) -> None:
+        name = self.settings.name
+        rq_jobs.push(pipe, self.queue, [job for _, job in batch], JOBS)
+        set_bits(pipe, self.keys.enqueued(name), [index for index, _ in batch])
+        if self.expected_jobs is not None:
+            # Jobs of the rows after this batch: still in the files (`genq status` counts them queued).
+            left = max(0, self.expected_jobs - batch[-1][0] - 1)
+            pipe.hset(self.keys.in_source, name, left)
 
     def _job_data(self, item: Row, sample: int) -> rq_jobs.Job:
         settings, options, prompt = self.settings, self.options, item.prompt
