@@ -13,6 +13,9 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``ds:<name>:enqueued``     bitmap one bit per job ever enqueued (index = row * samples + sample)
 - ``ds:<name>:done``         bitmap jobs whose record is on disk (set only after fsync)
 - ``ds:<name>:failed``       bitmap jobs whose error is on disk
+- ``ds:<name>:sources``      hash   source file's position among the dataset's files -> how many of its rows
+                                    were enqueued and their running blake2b (JSON ``file``, ``rows``,
+                                    ``blake2b``): a later enqueue refuses another file under its name
 - ``ds:<name>:rejected``     bitmap jobs whose row enqueue refused (bad input, too long): `genq verify`
                                     tells them from rows never enqueued
 - ``ds:<name>:tokens``       hash   records, prompt_tokens, completion_tokens of the records on disk (set
@@ -131,6 +134,9 @@ class Keys:
 
     def enqueuing(self, dataset: str) -> str:
         return f"{self.prefix}enqueuing:{dataset}"
+
+    def sources(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:sources"
 
     def rejected(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:rejected"

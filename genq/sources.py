@@ -46,6 +46,7 @@ class Record:
     where: str  # "path:LINE" or "path:row N"
     data: Any = None
     error: str | None = None  # set when the record itself could not be parsed
+    raw: bytes | None = None  # the bytes it was parsed from (JSON Lines, arrays); None for columnar rows
 
 
 def expand(specs: list[str]) -> list[Path]:
@@ -108,13 +109,13 @@ def _jsonl_records(path: Path, strict_first: bool = False) -> Iterator[Record]:
                 continue
             where = f"{path}:{line_no}"
             try:
-                yield Record(where, orjson.loads(line))
+                yield Record(where, orjson.loads(line), raw=line)
             except orjson.JSONDecodeError as exc:
                 if first and strict_first:
                     raise SourceError(
                         f"{where}: expected a JSON array or JSON Lines (one object per line): {exc}"
                     ) from exc
-                yield Record(where, error=f"malformed JSON: {exc}")
+                yield Record(where, error=f"malformed JSON: {exc}", raw=line)
             first = False
 
 
@@ -203,14 +204,14 @@ def _json_array_records(path: Path) -> Iterator[Record]:
                     text.pos += 1
                     expect_value = True
                     continue
-                value, error = _decode_one(decoder, text)
+                value, raw, error = _decode_one(decoder, text)
                 if error is not None:
                     yield Record(where, error=f"malformed JSON: {error}")
                     raise SourceError(
                         f"{where}: malformed JSON inside the array; rows after it cannot be numbered, so "
                         "none of them (nor later files) are read: fix the file and run again"
                     )
-                yield Record(where, value)
+                yield Record(where, value, raw=raw.encode())
                 expect_value = first = False
             if text.skip_ws():
                 raise SourceError(f"{path}:{text.line()}: unexpected text after the JSON array")
@@ -218,8 +219,8 @@ def _json_array_records(path: Path) -> Iterator[Record]:
             raise SourceError(f"{path}: not UTF-8 text: {exc}") from exc
 
 
-def _decode_one(decoder: json.JSONDecoder, text: _Text) -> tuple[Any, str | None]:
-    """One JSON value at ``text.pos``: (value, None), or (None, why it is malformed)."""
+def _decode_one(decoder: json.JSONDecoder, text: _Text) -> tuple[Any, str, str | None]:
+    """One JSON value at ``text.pos``: (value, its text, None), or (None, "", why it is malformed)."""
     while True:
         try:
             value, end = decoder.raw_decode(text.buf, text.pos)
@@ -229,11 +230,11 @@ def _decode_one(decoder: json.JSONDecoder, text: _Text) -> tuple[Any, str | None
             if cut and text.more():
                 continue
             line = text.line() + text.buf.count("\n", text.pos, exc.pos)
-            return None, f"{exc.msg} at line {line}"
+            return None, "", f"{exc.msg} at line {line}"
         if end >= len(text.buf) and text.more():
             continue  # a number or literal may go on in the next chunk
-        text.pos = end
-        return value, None
+        raw, text.pos = text.buf[text.pos : end], end
+        return value, raw, None
 
 
 # -- Parquet ----------------------------------------------------------------------------------

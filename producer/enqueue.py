@@ -33,6 +33,7 @@ from genq.sources import SourceError
 from genq.templates import ChatTemplate
 from producer import rq_jobs
 from producer.context import Limits, check_fits, check_recipe, check_vocab
+from producer.fingerprints import Fingerprints, Mark
 from producer.formats import Shape
 from producer.lease import Lease
 from producer.readers import Rejected, Row, read_dataset
@@ -112,18 +113,22 @@ def enqueue_rows(
     options: Options | None = None,
     expected_rows: int | None = None,
     report: Report = lambda line: None,
+    prints: Fingerprints | None = None,
 ) -> Summary:
     """Enqueue every usable row not already enqueued (or done), ``settings.samples`` jobs each.
 
     Rejected rows (and rows clipped to fit) are reported as they come. ``expected_rows`` (the
     sources' row count) lets `genq status` show the dataset's full total while ``max_queued``
-    holds most of it back.
+    holds most of it back. ``prints``: the sources' prints ``rows`` checks as it reads (loaded
+    here, under the lease), saved with every push.
     """
     options = options or Options()
     lease = Lease(conn, keys.enqueuing(settings.name), settings.name)
     patiently(lambda: lease.acquire(report), Outage(log))  # before the bitmaps are read
     try:
-        return _enqueue_leased(conn, keys, settings, rows, options, expected_rows, report, lease)
+        if prints is not None:
+            patiently(lambda: prints.load(conn), Outage(log))
+        return _enqueue_leased(conn, keys, settings, rows, options, expected_rows, report, lease, prints)
     finally:
         lease.release()
 
@@ -137,10 +142,11 @@ def _enqueue_leased(
     expected_rows: int | None,
     report: Report,
     lease: Lease,
+    prints: Fingerprints | None,
 ) -> Summary:
     summary = Summary()
-    pusher = _Pusher(conn, keys, settings, options, expected_rows, lease)
-    stream = _fresh(conn, keys, settings, rows, summary)
+    pusher = _Pusher(conn, keys, settings, options, expected_rows, lease, prints)
+    stream = _fresh(conn, keys, settings, rows, summary, prints)
     if options.template is not None:
         stream = render_stream(stream, options.template, options.shape.turns == "all")
     max_new = int(settings.sampling_params["max_new_tokens"])
@@ -161,6 +167,7 @@ def _enqueue_leased(
         summary.fatal = str(exc)
     summary.enqueued += pusher.flush()
     pusher.flush_rejected()
+    pusher.save_prints()  # the files read to their end (rows refused or skipped at their ends too)
     if summary.fatal is None:  # every row read: the bitmap holds the full total
         patiently(lambda: conn.hdel(keys.in_source, settings.name), pusher.outage)
     return summary
@@ -188,26 +195,34 @@ def _fresh(
     settings: datasets.DatasetSettings,
     rows: Iterable[Row | Rejected],
     summary: Summary,
+    prints: Fingerprints | None = None,
 ) -> Iterator[tuple[Row | Rejected, list[int]]]:
     """Rows with the samples still to enqueue, and rejected rows (counted where every rejection is);
-    rows already enqueued or done are only counted."""
+    rows already enqueued or done are only counted. Those inside their file's recorded rows wait
+    until the reading has checked those rows (a file that differs then stops the enqueue first)."""
     name, samples = settings.name, settings.samples
     known = conn.get(keys.enqueued(name)) or b""
     done = conn.get(keys.done(name)) or b""
+    held: list[tuple[Row | Rejected, list[int]]] = []
     for item in rows:
         summary.read += 1
-        if isinstance(item, Rejected):
-            yield item, []
-            continue
         todo = []
-        for sample in range(samples):
-            index = bit_index(item.row, sample, samples)
-            if is_set(known, index) or is_set(done, index):
-                summary.skipped += 1
-            else:
-                todo.append(sample)
-        if todo:
+        if isinstance(item, Row):
+            for sample in range(samples):
+                index = bit_index(item.row, sample, samples)
+                if is_set(known, index) or is_set(done, index):
+                    summary.skipped += 1
+                else:
+                    todo.append(sample)
+        if prints is not None and item.mark is not None and prints.held(item.mark):
+            if todo or isinstance(item, Rejected):
+                held.append((item, todo))
+            continue
+        yield from held
+        held = []
+        if todo or isinstance(item, Rejected):
             yield item, todo
+    yield from held
 
 
 def render_stream(
@@ -261,13 +276,15 @@ class _Pusher:
         options: Options,
         expected_rows: int | None,
         lease: Lease,
+        prints: Fingerprints | None = None,
     ):
         self.conn, self.keys, self.settings, self.options = conn, keys, settings, options
-        self.lease = lease
+        self.lease, self.prints = lease, prints
         self.queue = rq_queue(conn, keys, settings.name)
         self.size = BATCH if options.max_queued is None else max(1, min(BATCH, options.max_queued // 2))
         self.expected_jobs = expected_rows * settings.samples if expected_rows is not None else None
         self.batch: list[tuple[int, rq_jobs.Job]] = []
+        self.mark: Mark | None = None  # the last row added: the prints the next push saves
         self.rejected: list[int] = []
         self.outage = Outage(log)
 
@@ -293,6 +310,7 @@ class _Pusher:
         """Queue one job for the next push; returns how many jobs were pushed now."""
         index = bit_index(item.row, sample, self.settings.samples)
         self.batch.append((index, self._job_data(item, sample)))
+        self.mark = item.mark
         return self.flush() if len(self.batch) >= self.size else 0
 
     def flush(self) -> int:
@@ -309,7 +327,26 @@ class _Pusher:
             while self.conn.llen(self.queue.key) + len(batch) > self.options.max_queued:
                 self.lease.renew()
                 time.sleep(POLL_S)
-        self.lease.push(lambda pipe: self._queue_push(pipe, batch))
+        written = self._saving(lambda pipe: self._queue_push(pipe, batch))
+        if self.prints is not None:
+            self.prints.saved_as(written)
+
+    def save_prints(self) -> None:
+        """Save the prints of the files read to their end, fenced like a push."""
+        if self.prints is not None:
+            self.prints.saved_as(patiently(lambda: self._saving(lambda pipe: None), self.outage))
+
+    def _saving(self, build: Callable[[Pipeline], None]) -> dict[int, int]:
+        """Run ``build``'s MULTI with the sources' prints it covers; returns the prints written."""
+        written: dict[int, int] = {}
+
+        def queued(pipe: Pipeline) -> None:
+            build(pipe)
+            if self.prints is not None:
+                written.update(self.prints.save(pipe, self.mark))
+
+        self.lease.push(queued)
+        return written
 
     def _queue_push(self, pipe: Pipeline, batch: list[tuple[int, rq_jobs.Job]]) -> None:
         name = self.settings.name
@@ -379,5 +416,6 @@ def enqueue_dataset(
     if options.max_queued is not None:
         expected = sum(sources.count(path, options.split) for path in paths)
         report(f"{dataset}: {expected} rows in its sources; at most {options.max_queued} jobs queued at once")
-    rows = read_dataset(paths, options.shape, options.split, report)
-    return enqueue_rows(conn, keys, settings, rows, options, expected, report)
+    prints = Fingerprints(keys.sources(dataset), dataset, replace_settings, report)
+    rows = read_dataset(paths, options.shape, options.split, report, prints)
+    return enqueue_rows(conn, keys, settings, rows, options, expected, report, prints)

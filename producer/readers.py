@@ -14,6 +14,7 @@ from pathlib import Path
 
 from genq import sources
 from genq.sources import SourceError
+from producer.fingerprints import Fingerprints, Mark
 from producer.formats import Prompt, RowError, Shape, ShapeError
 
 
@@ -25,6 +26,7 @@ class Row:
     row: int
     prompt: Prompt
     max_new_tokens: int | None = None  # clipped to fit the context (--clip-max-new-tokens)
+    mark: Mark | None = None  # its file and the file's print up to it (when enqueue hashes sources)
 
 
 @dataclass
@@ -32,6 +34,7 @@ class Rejected:
     where: str
     row: int
     reason: str
+    mark: Mark | None = None
 
     def __str__(self) -> str:
         return f"{self.where}: {self.reason}"
@@ -42,29 +45,35 @@ def read_dataset(
     shape: Shape,
     split: str | None = None,
     report: Callable[[str], None] = lambda line: None,
+    prints: Fingerprints | None = None,
 ) -> Iterator[Row | Rejected]:
     """All rows of a dataset's sources in order. With ``--format auto``, ``report`` hears each
-    file's format (and any other format met further on in the same file)."""
+    file's format (and any other format met further on in the same file). With ``prints``, each
+    row carries its file's print up to it, checked against the recorded one as it is read."""
     row = 0
-    for path in paths:
+    for index, path in enumerate(paths):
         seen: set[str] = set()
+        hashed = prints.file(index, path) if prints is not None else None
         for record in sources.read(path, split):
+            mark = hashed.add(record) if hashed is not None else None
             if record.error is not None:
-                yield Rejected(record.where, row, record.error)
+                yield Rejected(record.where, row, record.error, mark)
                 row += 1
                 continue
             try:
                 fmt, prompt = shape.parse(record.data)
             except RowError as exc:
-                yield Rejected(record.where, row, str(exc))
+                yield Rejected(record.where, row, str(exc), mark)
             except ShapeError as exc:
                 raise SourceError(f"{record.where}: {exc}") from exc
             else:
                 if shape.format == "auto" and fmt not in seen:
                     report(f"{path}: format {fmt}" if not seen else f"{record.where}: also format {fmt}")
                     seen.add(fmt)
-                yield Row(record.where, row, prompt)
+                yield Row(record.where, row, prompt, mark=mark)
             row += 1
+        if hashed is not None:
+            hashed.end()
 
 
 def first_sampling(paths: list[Path], shape: Shape, split: str | None = None) -> tuple[str, dict] | None:

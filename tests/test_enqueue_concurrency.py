@@ -42,3 +42,88 @@ def test_enqueues_of_one_file_at_once_push_each_row_once(procs, conn, namespace,
     assert len(ids) == ROWS and len(set(ids)) == ROWS, f"{len(ids)} queued, {len(set(ids))} distinct"
     # One that found the dataset's lease taken said so once, and waited for it.
     assert all(run.stderr.count("another enqueue") <= 1 for run in runs)
+
+
+def _queued(conn, namespace, dataset: str) -> int:
+    return conn.llen(Queue(Keys(namespace).queue_name(dataset), connection=conn, serializer="json").key)
+
+
+def test_another_file_under_the_same_name_is_refused(procs, conn, namespace, tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    write_prompts(first / "same.jsonl", 100)
+    rows = (first / "same.jsonl").read_bytes().splitlines(keepends=True)
+    (first / "same.jsonl").write_bytes(b"".join(rows[:3] + [b"{not json\n"] + rows[4:]))
+    assert "enqueued 99, skipped 0, rejected 1" in procs.run("enqueue", first / "same.jsonl").stdout
+    # Another file of the same name, longer: before, its first 100 rows were skipped by position and
+    # its other 200 enqueued into the dataset.
+    write_prompts(second / "same.jsonl", 300, start=1000)
+    res = procs.run("enqueue", second / "same.jsonl")
+    assert res.returncode != 0
+    error = [line for line in res.stderr.splitlines() if line.startswith("Error")]
+    assert len(error) == 1, res.stderr
+    assert f"{second / 'same.jsonl'}:100: the first 100 rows of this file are not the 100 rows" in error[0]
+    assert "another --dataset" in error[0] and "--replace-settings" in error[0]
+    # Not even its row 3, new to the dataset (refused in the first file): held until the check.
+    assert _queued(conn, namespace, "same") == 99, "nothing of the other file queued"
+    # With --replace-settings it is taken as it is (said so), and only rows past the first 100 come from it.
+    res = procs.run("enqueue", second / "same.jsonl", "--replace-settings")
+    assert res.returncode == 0, res.stderr
+    assert "--replace-settings: this file's rows are the dataset's from now on" in res.stderr
+    assert "enqueued 201, skipped 99" in res.stdout
+    assert procs.run("enqueue", second / "same.jsonl").returncode == 0, "its print is the dataset's now"
+
+
+def test_rows_appended_to_the_last_file_only_are_enqueued(procs, conn, namespace, tmp_path):
+    data, later = tmp_path / "grows.jsonl", tmp_path / "later.jsonl"
+    write_prompts(data, 50)
+    assert "enqueued 50" in procs.run("enqueue", data).stdout
+    write_prompts(data, 80)  # the same 50 rows, 30 more
+    res = procs.run("enqueue", data)
+    assert res.returncode == 0 and "read 80, enqueued 30, skipped 50" in res.stdout, res.stderr
+    # A row changed inside the rows enqueued: refused, whatever was appended.
+    rows = data.read_bytes().splitlines(keepends=True)
+    data.write_bytes(b"".join(rows[:10] + [b'{"prompt": "changed"}\n'] + rows[11:]))
+    res = procs.run("enqueue", data)
+    assert res.returncode != 0 and f"{data}:80: the first 80 rows" in res.stderr, res.stderr
+    # Rows appended to a file that is not the last would renumber the later files' rows.
+    write_prompts(data, 80)
+    write_prompts(later, 5, start=500)
+    assert "enqueued 5, skipped 80" in procs.run("enqueue", data, later, "--dataset", "grows").stdout
+    write_prompts(data, 81)
+    res = procs.run("enqueue", data, later, "--dataset", "grows")
+    assert res.returncode != 0 and f"{data}:81: this file has more rows than the 80" in res.stderr
+    assert "rows may be added only to the last file" in res.stderr
+    assert _queued(conn, namespace, "grows") == 85
+
+
+def test_a_dataset_enqueued_without_prints_gets_them_then(procs, conn, namespace, tmp_path):
+    data = tmp_path / "old.jsonl"
+    write_prompts(data, 20)
+    assert procs.run("enqueue", data).returncode == 0
+    conn.delete(Keys(namespace).sources("old"))  # as an enqueue before source prints left it
+    res = procs.run("enqueue", data)
+    assert res.returncode == 0 and "enqueued 0, skipped 20" in res.stdout, res.stderr
+    assert conn.hexists(Keys(namespace).sources("old"), "0")
+    write_prompts(data, 20, start=100)
+    assert procs.run("enqueue", data).returncode != 0
+
+
+def test_parquet_and_json_array_sources_are_known_by_content(procs, conn, namespace, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = tmp_path / "table.parquet"
+    pq.write_table(pa.table({"prompt": [f"row {i}" for i in range(30)]}), table)
+    assert procs.run("enqueue", table).returncode == 0
+    pq.write_table(pa.table({"prompt": [f"row {i}" for i in range(30)] + ["new"]}), table)
+    assert "enqueued 1, skipped 30" in procs.run("enqueue", table).stdout
+    pq.write_table(pa.table({"prompt": [f"other {i}" for i in range(40)]}), table)
+    res = procs.run("enqueue", table)
+    assert res.returncode != 0 and f"{table}:row 30: the first 31 rows" in res.stderr, res.stderr
+    array = tmp_path / "array.json"
+    array.write_text('[{"prompt": "x"},\n {"prompt": "y"}]')
+    assert procs.run("enqueue", array).returncode == 0
+    array.write_text('[{"prompt": "x"},\n {"prompt": "z"}]')
+    res = procs.run("enqueue", array)
+    assert res.returncode != 0 and f"{array}:2: the first 2 rows" in res.stderr, res.stderr
