@@ -187,7 +187,9 @@ def enqueue_command(
     folders; globs allowed. Rows hold input_ids, messages, conversations, prompt or instruction.
 
     Idempotent: rows already queued, in flight or on disk are skipped, so the same command can
-    be run again safely. Rows are numbered across FILES in order: give the same files first.
+    be run again safely, even at once (a second enqueue of a dataset waits for the first). Rows are
+    numbered across FILES in order: give the same files first; a file whose rows enqueued before
+    have changed is refused.
     """
     name = dataset_name(dataset, files)
     limits = Limits(context_length=context_length, vocab_size=vocab_size)

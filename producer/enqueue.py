@@ -7,7 +7,9 @@ each, one batched encode in the Rust tokenizer) -> check the context length -> p
 one MULTI: the jobs and their bits in the dataset's ``enqueued`` bitmap land together, so a killed
 enqueue never leaves a job without its bit (which would enqueue it twice on the next run) or a bit
 without its job. With ``max_queued`` a push waits until the queue has room, so Redis holds at most
-that many waiting jobs whatever the dataset's size.
+that many waiting jobs whatever the dataset's size. One enqueue of a dataset runs at a time
+(producer/lease.py: its lease fences every push), and each source file's rows are checked against
+the print of the rows enqueued from it before (producer/fingerprints.py), saved with every push.
 """
 
 from __future__ import annotations
