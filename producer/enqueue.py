@@ -35,7 +35,7 @@ from genq.sources import SourceError
 from genq.templates import ChatTemplate
 from producer import rq_jobs
 from producer.context import Limits, check_fits, check_recipe, check_vocab
-from producer.fingerprints import Fingerprints, Mark
+from producer.fingerprints import Fingerprints
 from producer.formats import Shape
 from producer.lease import Lease
 from producer.readers import Rejected, Row, read_dataset
@@ -286,7 +286,6 @@ class _Pusher:
         self.size = BATCH if options.max_queued is None else max(1, min(BATCH, options.max_queued // 2))
         self.expected_jobs = expected_rows * settings.samples if expected_rows is not None else None
         self.batch: list[tuple[int, rq_jobs.Job]] = []
-        self.mark: Mark | None = None  # the last row added: the prints the next push saves
         self.rejected: list[int] = []
         self.outage = Outage(log)
 
@@ -312,7 +311,6 @@ class _Pusher:
         """Queue one job for the next push; returns how many jobs were pushed now."""
         index = bit_index(item.row, sample, self.settings.samples)
         self.batch.append((index, self._job_data(item, sample)))
-        self.mark = item.mark
         return self.flush() if len(self.batch) >= self.size else 0
 
     def flush(self) -> int:
@@ -345,7 +343,7 @@ class _Pusher:
         def queued(pipe: Pipeline) -> None:
             build(pipe)
             if self.prints is not None:
-                written.update(self.prints.save(pipe, self.mark))
+                written.update(self.prints.save(pipe))
 
         self.lease.push(queued)
         return written

@@ -41,10 +41,10 @@ class Print:
 
 @dataclass(frozen=True)
 class Mark:
-    """Where a row is: its file's position among the sources, and the file's print up to it."""
+    """Where a row is: its file's position among the sources, and how many rows of it are read."""
 
     source: int
-    print: Print
+    rows: int
 
 
 def row_bytes(record: Record) -> bytes:
@@ -68,6 +68,7 @@ class Fingerprints:
         self.recorded: dict[int, Print] = {}
         self.saved: dict[int, int] = {}  # file -> rows its recorded print covers
         self.ended: dict[int, Print] = {}  # files read to their end: their whole print
+        self.reading: FileHash | None = None  # the file being read
 
     def load(self, conn: redis.Redis) -> None:
         """The prints recorded (Redis content is untrusted: a field genq did not write is refused)."""
@@ -85,21 +86,23 @@ class Fingerprints:
         self.saved = {index: found.rows for index, found in self.recorded.items()}
 
     def file(self, index: int, path: Path) -> FileHash:
-        return FileHash(self, index, path)
+        self.reading = FileHash(self, index, path)
+        return self.reading
 
     def held(self, mark: Mark) -> bool:
         """Whether a row lies in its file's recorded rows, not all read yet: not to be queued yet."""
         old = self.recorded.get(mark.source)
-        return old is not None and mark.print.rows < old.rows
+        return old is not None and mark.rows < old.rows
 
-    def save(self, pipe: Pipeline, mark: Mark | None = None) -> dict[int, int]:
+    def save(self, pipe: Pipeline) -> dict[int, int]:
         """Queue the prints that cover more rows than recorded: each file read to its end, and the
-        file of ``mark`` (the last row pushed) up to it. Returns what to pass to :meth:`saved_as`
-        once the MULTI is applied. (A file's whole print may be saved while its last rows are still
-        on their way: the next enqueue holds them back until it has checked them, then queues them.)"""
+        one being read up to where it is. Returns what to pass to :meth:`saved_as` once the MULTI
+        is applied. The reading runs a little ahead of the pushes (a render batch, a push batch),
+        so a print may cover rows still on their way: were the enqueue killed, the next one holds
+        them back until it has checked them, then queues them."""
         latest = dict(self.ended)
-        if mark is not None and mark.source not in latest:
-            latest[mark.source] = mark.print
+        if self.reading is not None and self.reading.index not in latest:
+            latest[self.reading.index] = self.reading.print()
         written = {}
         for index, found in sorted(latest.items()):
             if found.rows > self.saved.get(index, -1):
@@ -126,9 +129,8 @@ class FileHash:
         self.hash.update(len(data).to_bytes(8, "little"))
         self.hash.update(data)
         self.rows += 1
-        mark = Mark(self.index, Print(self.path.name, self.rows, self.hash.hexdigest()))
         old = self.old
-        if old is not None and self.rows == old.rows and mark.print.blake2b != old.blake2b:
+        if old is not None and self.rows == old.rows and self.hash.hexdigest() != old.blake2b:
             self._differs(
                 f"{record.where}: the first {old.rows} rows of this file are not the {old.rows} rows "
                 f"enqueued from {old.file} as dataset {self.owner.dataset!r} (they differ at or before "
@@ -141,7 +143,10 @@ class FileHash:
                 "those: rows may be added only to the last file. Put new rows in a new file given after "
                 "the others"
             )
-        return mark
+        return Mark(self.index, self.rows)
+
+    def print(self) -> Print:
+        return Print(self.path.name, self.rows, self.hash.hexdigest())
 
     def end(self) -> None:
         old = self.old
@@ -150,7 +155,7 @@ class FileHash:
                 f"{self.path}: the file has {self.rows} rows, {old.rows} were enqueued from {old.file} as "
                 f"dataset {self.owner.dataset!r}"
             )
-        self.owner.ended[self.index] = Print(self.path.name, self.rows, self.hash.hexdigest())
+        self.owner.ended[self.index] = self.print()
 
     def _differs(self, what: str) -> None:
         """Refuse the file, or with --replace-settings take it as it is from now on."""
