@@ -8,7 +8,7 @@ import subprocess
 from rq import Queue
 
 from genq.keys import Keys
-from tests.helpers import genq_argv, write_prompts
+from tests.helpers import genq_argv, log_of, wait_until, write_prompts
 
 ROWS = 20_000  # enough that four enqueues started together overlap while they push
 
@@ -42,6 +42,37 @@ def test_enqueues_of_one_file_at_once_push_each_row_once(procs, conn, namespace,
     assert len(ids) == ROWS and len(set(ids)) == ROWS, f"{len(ids)} queued, {len(set(ids))} distinct"
     # One that found the dataset's lease taken said so once, and waited for it.
     assert all(run.stderr.count("another enqueue") <= 1 for run in runs)
+
+
+def test_an_enqueue_waits_for_its_datasets_lease_and_not_for_others(procs, conn, namespace, tmp_path):
+    mine, other = tmp_path / "mine.jsonl", tmp_path / "other.jsonl"
+    write_prompts(mine, 10)
+    write_prompts(other, 10)
+    lease = Keys(namespace).enqueuing("mine")
+    conn.set(lease, "elsewhere:1:test", px=60_000)  # another enqueue of it, running
+    waiting = procs.start("enqueue", mine)
+    wait_until(lambda: "another enqueue (elsewhere:1:test)" in log_of(waiting), 30, "the waiting line")
+    res = procs.run("enqueue", other)  # another dataset: its own lease
+    assert res.returncode == 0 and "enqueued 10" in res.stdout, res.stderr
+    assert waiting.poll() is None and _queued(conn, namespace, "mine") == 0
+    conn.delete(lease)  # the other enqueue is done
+    assert waiting.wait(30) == 0
+    assert "mine: read 10, enqueued 10" in log_of(waiting)
+    assert log_of(waiting).count("another enqueue") == 1
+    assert not conn.exists(lease), "given back"
+
+
+def test_an_enqueue_that_lost_its_lease_pushes_nothing_more(procs, conn, namespace, tmp_path):
+    data = tmp_path / "fenced.jsonl"
+    write_prompts(data, 50)
+    queue_key = Queue(Keys(namespace).queue_name("fenced"), connection=conn, serializer="json").key
+    proc = procs.start("enqueue", data, "--max-queued", "10")  # no worker: it waits for room
+    wait_until(lambda: conn.llen(queue_key) == 10, 30, "the queue at its bound")
+    conn.set(Keys(namespace).enqueuing("fenced"), "thief:1:test", px=60_000)  # as if its lease lapsed
+    conn.delete(queue_key)  # room: its next push comes
+    assert proc.wait(30) != 0
+    assert "lost the dataset's lease (held by thief:1:test" in log_of(proc)
+    assert conn.llen(queue_key) == 0, "nothing pushed once the lease was another's"
 
 
 def _queued(conn, namespace, dataset: str) -> int:
