@@ -8,7 +8,16 @@ import subprocess
 from rq import Queue
 
 from genq.keys import Keys
-from tests.helpers import genq_argv, log_of, wait_until, write_prompts
+from tests.helpers import (
+    genq_argv,
+    log_of,
+    sim_stats,
+    status_json,
+    stop,
+    wait_until,
+    worker_name,
+    write_prompts,
+)
 
 ROWS = 20_000  # enough that four enqueues started together overlap while they push
 
@@ -158,3 +167,23 @@ def test_parquet_and_json_array_sources_are_known_by_content(procs, conn, namesp
     array.write_text('[{"prompt": "x"},\n {"prompt": "z"}]')
     res = procs.run("enqueue", array)
     assert res.returncode != 0 and f"{array}:2: the first 2 rows" in res.stderr, res.stderr
+
+
+def test_enqueues_at_once_while_a_worker_runs_generate_each_row_once(
+    procs, start_sim, conn, namespace, tmp_path
+):
+    """The measured case: a worker takes jobs while four enqueues of one file run at once, twice."""
+    rows = 4000
+    url = start_sim("--latency", "zero")
+    data = tmp_path / "live.jsonl"
+    write_prompts(data, rows)
+    collector = procs.start("collect", "--out", tmp_path / "out")
+    worker = procs.start("worker", "--server", url, "--concurrency", "64")
+    worker_name(procs, worker)  # registered: its probe (a 1-token /generate) is sent
+    probes = sim_stats(url)["requests"]
+    runs = _enqueue_together(procs, data, 4) + _enqueue_together(procs, data, 4)
+    assert [run.returncode for run in runs] == [0] * 8, [run.stderr for run in runs]
+    wait_until(lambda: status_json(procs)["datasets"]["live"]["done"] == rows, 120, "every record")
+    assert stop(worker) == 0 and stop(collector) == 0
+    assert _queued(conn, namespace, "live") == 0, "no second copy left queued"
+    assert sim_stats(url)["requests"] - probes == rows, "each prompt generated once"
