@@ -89,6 +89,11 @@ class Fingerprints:
         self.reading = FileHash(self, index, path)
         return self.reading
 
+    def abandon(self) -> None:
+        """The file being read stopped the enqueue (unreadable further, or refused): its print
+        stays as recorded, so fixing the file and running again is checked against that."""
+        self.reading = None
+
     def held(self, mark: Mark) -> bool:
         """Whether a row lies in its file's recorded rows, not all read yet: not to be queued yet."""
         old = self.recorded.get(mark.source)

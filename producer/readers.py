@@ -14,7 +14,7 @@ from pathlib import Path
 
 from genq import sources
 from genq.sources import SourceError
-from producer.fingerprints import Fingerprints, Mark
+from producer.fingerprints import FileHash, Fingerprints, Mark
 from producer.formats import Prompt, RowError, Shape, ShapeError
 
 
@@ -52,28 +52,45 @@ def read_dataset(
     row carries its file's print up to it, checked against the recorded one as it is read."""
     row = 0
     for index, path in enumerate(paths):
-        seen: set[str] = set()
         hashed = prints.file(index, path) if prints is not None else None
-        for record in sources.read(path, split):
-            mark = hashed.add(record) if hashed is not None else None
-            if record.error is not None:
-                yield Rejected(record.where, row, record.error, mark)
+        try:
+            for item in _file_rows(path, row, shape, split, report, hashed):
+                yield item
                 row += 1
-                continue
-            try:
-                fmt, prompt = shape.parse(record.data)
-            except RowError as exc:
-                yield Rejected(record.where, row, str(exc), mark)
-            except ShapeError as exc:
-                raise SourceError(f"{record.where}: {exc}") from exc
-            else:
-                if shape.format == "auto" and fmt not in seen:
-                    report(f"{path}: format {fmt}" if not seen else f"{record.where}: also format {fmt}")
-                    seen.add(fmt)
-                yield Row(record.where, row, prompt, mark=mark)
-            row += 1
-        if hashed is not None:
-            hashed.end()
+            if hashed is not None:
+                hashed.end()
+        except SourceError:
+            if prints is not None:
+                prints.abandon()  # a file that cannot be read on, or is refused: no print of it is saved
+            raise
+
+
+def _file_rows(
+    path: Path,
+    first: int,
+    shape: Shape,
+    split: str | None,
+    report: Callable[[str], None],
+    hashed: FileHash | None,
+) -> Iterator[Row | Rejected]:
+    """One file's rows, numbered from ``first``."""
+    seen: set[str] = set()
+    for row, record in enumerate(sources.read(path, split), start=first):
+        mark = hashed.add(record) if hashed is not None else None
+        if record.error is not None:
+            yield Rejected(record.where, row, record.error, mark)
+            continue
+        try:
+            fmt, prompt = shape.parse(record.data)
+        except RowError as exc:
+            yield Rejected(record.where, row, str(exc), mark)
+        except ShapeError as exc:
+            raise SourceError(f"{record.where}: {exc}") from exc
+        else:
+            if shape.format == "auto" and fmt not in seen:
+                report(f"{path}: format {fmt}" if not seen else f"{record.where}: also format {fmt}")
+                seen.add(fmt)
+            yield Row(record.where, row, prompt, mark=mark)
 
 
 def first_sampling(paths: list[Path], shape: Shape, split: str | None = None) -> tuple[str, dict] | None:

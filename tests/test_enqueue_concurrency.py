@@ -134,6 +134,8 @@ def test_rows_appended_to_the_last_file_only_are_enqueued(procs, conn, namespace
     res = procs.run("enqueue", data, later, "--dataset", "grows")
     assert res.returncode != 0 and f"{data}:81: this file has more rows than the 80" in res.stderr
     assert "rows may be added only to the last file" in res.stderr
+    again = procs.run("enqueue", data, later, "--dataset", "grows")
+    assert again.returncode != 0 and "this file has more rows" in again.stderr, "nothing of it recorded"
     assert _queued(conn, namespace, "grows") == 85
 
 
@@ -167,6 +169,13 @@ def test_parquet_and_json_array_sources_are_known_by_content(procs, conn, namesp
     array.write_text('[{"prompt": "x"},\n {"prompt": "z"}]')
     res = procs.run("enqueue", array)
     assert res.returncode != 0 and f"{array}:2: the first 2 rows" in res.stderr, res.stderr
+    # An array broken in the middle stops the enqueue; fixed, it goes on (the broken row is no row).
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"prompt": "x"},\n {"prompt": "y"},\n {"prompt": oops}]')
+    assert procs.run("enqueue", broken).returncode != 0
+    broken.write_text('[{"prompt": "x"},\n {"prompt": "y"},\n {"prompt": "z"}]')
+    res = procs.run("enqueue", broken)
+    assert res.returncode == 0 and "enqueued 1, skipped 2" in res.stdout, res.stderr
 
 
 def test_enqueues_at_once_while_a_worker_runs_generate_each_row_once(
