@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from decimal import Decimal
 from pathlib import Path
 
 import orjson
@@ -51,7 +52,18 @@ def row_bytes(record: Record) -> bytes:
     """What a row's hash is taken of: the bytes read, or a columnar row's canonical JSON."""
     if record.raw is not None:
         return record.raw.strip()
-    return orjson.dumps(record.data, option=_CANONICAL, default=repr)
+    return orjson.dumps(record.data, option=_CANONICAL, default=_plain)
+
+
+def _plain(value: object) -> str:
+    """A value JSON has no type for, as the same text every time it is read: bytes as hex, a
+    Decimal as its digits, anything else (an image, ...) by its type alone (a repr may hold an
+    address that changes from one process to the next)."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).hex()
+    if isinstance(value, Decimal):
+        return str(value)
+    return type(value).__name__
 
 
 class SourceMismatch(SourceError):
