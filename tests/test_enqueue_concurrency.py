@@ -196,3 +196,27 @@ def test_enqueues_at_once_while_a_worker_runs_generate_each_row_once(
     assert stop(worker) == 0 and stop(collector) == 0
     assert _queued(conn, namespace, "live") == 0, "no second copy left queued"
     assert sim_stats(url)["requests"] - probes == rows, "each prompt generated once"
+
+
+def test_each_file_of_a_glob_and_a_saved_dataset_is_known_by_content(procs, conn, namespace, tmp_path):
+    import datasets
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_prompts(shards / "part-0.jsonl", 10)
+    write_prompts(shards / "part-1.jsonl", 10, start=10)
+    pattern = str(shards / "*.jsonl")
+    assert procs.run("enqueue", pattern, "--dataset", "glob").returncode == 0
+    write_prompts(shards / "part-1.jsonl", 10, start=50)  # the second shard replaced
+    res = procs.run("enqueue", pattern, "--dataset", "glob")
+    assert res.returncode != 0 and f"{shards / 'part-1.jsonl'}:10: the first 10 rows" in res.stderr
+    assert _queued(conn, namespace, "glob") == 20
+    saved, elsewhere = tmp_path / "saved", tmp_path / "elsewhere" / "saved"
+    column = {"n": list(range(12))}
+    datasets.Dataset.from_dict({"prompt": [f"p{i}" for i in range(12)], **column}).save_to_disk(saved)
+    assert procs.run("enqueue", saved).returncode == 0
+    res = procs.run("enqueue", saved)
+    assert res.returncode == 0 and "enqueued 0, skipped 12" in res.stdout, res.stderr
+    datasets.Dataset.from_dict({"prompt": [f"q{i}" for i in range(12)], **column}).save_to_disk(elsewhere)
+    res = procs.run("enqueue", elsewhere)
+    assert res.returncode != 0 and "the first 12 rows of this file are not the 12 rows" in res.stderr
