@@ -10,6 +10,8 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
                                     --max-queued``; gone once the enqueue has read every row)
 - ``enqueuing:<name>``       string the lease of the one enqueue of the dataset running (``host:pid:token``;
                                     TTL 10 s, renewed every 2 s; each push is fenced by it: producer/lease.py)
+- ``enqueuing:<name>:epoch`` string how many times the dataset's enqueue lease was taken: a lease that
+                                    lapsed (Redis refusing writes) is taken back only by its holder
 - ``ds:<name>:enqueued``     bitmap one bit per job ever enqueued (index = row * samples + sample)
 - ``ds:<name>:done``         bitmap jobs whose record is on disk (set only after fsync)
 - ``ds:<name>:failed``       bitmap jobs whose error is on disk
@@ -137,6 +139,9 @@ class Keys:
 
     def sources(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:sources"
+
+    def enqueue_epoch(self, dataset: str) -> str:
+        return f"{self.prefix}enqueuing:{dataset}:epoch"
 
     def rejected(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:rejected"

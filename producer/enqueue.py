@@ -125,7 +125,7 @@ def enqueue_rows(
     here, under the lease), saved with every push.
     """
     options = options or Options()
-    lease = Lease(conn, keys.enqueuing(settings.name), settings.name)
+    lease = Lease(conn, keys.enqueuing(settings.name), keys.enqueue_epoch(settings.name), settings.name)
     patiently(lambda: lease.acquire(report), Outage(log))  # before the bitmaps are read
     try:
         if prints is not None:

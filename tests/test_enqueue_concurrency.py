@@ -80,7 +80,10 @@ def test_an_enqueue_that_lost_its_lease_pushes_nothing_more(procs, conn, namespa
     conn.set(Keys(namespace).enqueuing("fenced"), "thief:1:test", px=60_000)  # as if its lease lapsed
     conn.delete(queue_key)  # room: its next push comes
     assert proc.wait(30) != 0
-    assert "lost the dataset's lease (held by thief:1:test" in log_of(proc)
+    assert (
+        "another enqueue took the dataset while this one could not renew its lease (held by thief:1:test"
+        in log_of(proc)
+    )
     assert conn.llen(queue_key) == 0, "nothing pushed once the lease was another's"
 
 
