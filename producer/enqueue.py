@@ -325,8 +325,7 @@ class _Pusher:
     def _push(self, batch: list[tuple[int, rq_jobs.Job]]) -> None:
         if self.options.max_queued is not None:
             while self.conn.llen(self.queue.key) + len(batch) > self.options.max_queued:
-                self.lease.renew()
-                time.sleep(POLL_S)
+                time.sleep(POLL_S)  # the lease's own thread renews it meanwhile
         written = self._saving(lambda pipe: self._queue_push(pipe, batch))
         if self.prints is not None:
             self.prints.saved_as(written)

@@ -62,9 +62,9 @@ def test_a_killed_bounded_enqueue_resumes_without_duplicates(
     # No worker yet: the enqueue fills the queue to its bound and waits.
     first = procs.start("enqueue", data, "--max-new-tokens", "64", "--max-queued", "20")
     wait_until(lambda: conn.llen(queue.key) >= 20, 30, "the queue to reach its bound")
-    # While it waits for room the enqueue looks at the queue every 50 ms and renews its lease
-    # after each look: stretch the lease, and its renewal back to TTL_MS proves the enqueue is
-    # alive and looked again since, found no room, and pushed nothing.
+    # While it waits for room the enqueue looks at the queue every 50 ms and its lease is renewed
+    # every 2 s: stretch the lease, and its renewal back to TTL_MS proves the enqueue is alive,
+    # still waiting since, and pushed nothing.
     alive = Keys(namespace).enqueuing("resume")
     assert conn.get(alive).startswith(f"{socket.gethostname()}:{first.pid}:".encode())
     conn.pexpire(alive, 600_000)
