@@ -8,10 +8,16 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``in_stream``              hash   dataset -> entries in its stream (moves with the stream, in one MULTI)
 - ``in_source``              hash   dataset -> jobs not enqueued yet, still in its files (``enqueue
                                     --max-queued``; gone once the enqueue has read every row)
-- ``enqueuing:<name>``       string an enqueue of the dataset is running (TTL 60 s, refreshed as it pushes)
+- ``enqueuing:<name>``       string the lease of the one enqueue of the dataset running (``host:pid:token``;
+                                    TTL 10 s, renewed every 2 s; each push is fenced by it: producer/lease.py)
+- ``enqueuing:<name>:epoch`` string how many times the dataset's enqueue lease was taken: a lease that
+                                    lapsed (Redis refusing writes) is taken back only by its holder
 - ``ds:<name>:enqueued``     bitmap one bit per job ever enqueued (index = row * samples + sample)
 - ``ds:<name>:done``         bitmap jobs whose record is on disk (set only after fsync)
 - ``ds:<name>:failed``       bitmap jobs whose error is on disk
+- ``ds:<name>:sources``      hash   source file's position among the dataset's files -> how many of its rows
+                                    were enqueued and their running blake2b (JSON ``file``, ``rows``,
+                                    ``blake2b``): a later enqueue refuses another file under its name
 - ``ds:<name>:rejected``     bitmap jobs whose row enqueue refused (bad input, too long): `genq verify`
                                     tells them from rows never enqueued
 - ``ds:<name>:tokens``       hash   records, prompt_tokens, completion_tokens of the records on disk (set
@@ -132,6 +138,12 @@ class Keys:
 
     def enqueuing(self, dataset: str) -> str:
         return f"{self.prefix}enqueuing:{dataset}"
+
+    def sources(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:sources"
+
+    def enqueue_epoch(self, dataset: str) -> str:
+        return f"{self.prefix}enqueuing:{dataset}:epoch"
 
     def rejected(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:rejected"

@@ -53,7 +53,7 @@ class Record:
     where: str  # "path:LINE" or "path:row N"
     data: Any = None
     error: str | None = None  # set when the record itself could not be parsed
-    raw: bytes | None = None  # the row as written (its first RAW_BYTES), for the rejects file
+    raw: bytes | None = None  # the bytes it was parsed from (JSON Lines, arrays): its print, its reject line
 
 
 def expand(specs: list[str]) -> list[Path]:
@@ -176,13 +176,13 @@ def _jsonl_records(path: Path, limit: int = MAX_ROW_BYTES, strict_first: bool = 
             if not line.strip():
                 continue
             try:
-                yield Record(where, decode(line), raw=line[:RAW_BYTES])
+                yield Record(where, decode(line), raw=line)
             except ValueError as exc:
                 if first and strict_first:
                     raise SourceError(
                         f"{where}: expected a JSON array or JSON Lines (one object per line): {exc}"
                     ) from exc
-                yield Record(where, error=str(exc), raw=line[:RAW_BYTES])
+                yield Record(where, error=str(exc), raw=line)
             first = False
 
 
@@ -290,9 +290,9 @@ def _json_array_records(path: Path, limit: int = MAX_ROW_BYTES) -> Iterator[Reco
                     yield Record(where, error=too_large(len(raw), limit))
                 else:
                     try:
-                        yield Record(where, decode(raw), raw=raw[:RAW_BYTES])
+                        yield Record(where, decode(raw), raw=raw)
                     except ValueError as exc:
-                        yield Record(where, error=str(exc), raw=raw[:RAW_BYTES])
+                        yield Record(where, error=str(exc), raw=raw)
             expect_value = first = False
         if text.skip_ws():
             raise SourceError(f"{path}:{text.line()}: unexpected text after the JSON array")

@@ -23,6 +23,7 @@ from producer.context import Limits
 from producer.dry_run import check_files, describe
 from producer.enqueue import Options, Summary, enqueue_dataset
 from producer.formats import CHAT_FORMATS, FIELDS, FORMATS, Shape
+from producer.lease import LeaseLost
 from producer.readers import first_sampling
 from producer.rejects import RejectsFile
 
@@ -223,7 +224,9 @@ def enqueue_command(
     folders; globs allowed. Rows hold input_ids, messages, conversations, prompt or instruction.
 
     Idempotent: rows already queued, in flight or on disk are skipped, so the same command can
-    be run again safely. Rows are numbered across FILES in order: give the same files first.
+    be run again safely, even at once (a second enqueue of a dataset waits for the first). Rows are
+    numbered across FILES in order: give the same files first; a file whose rows enqueued before
+    have changed is refused.
     """
     name = dataset_name(dataset, files)
     limits = Limits(context_length=context_length, vocab_size=vocab_size)
@@ -351,7 +354,7 @@ def enqueue_command(
             register_only=register_only,
             rejects=rejects_file,
         )
-    except datasets.SettingsMismatch as exc:
+    except (datasets.SettingsMismatch, LeaseLost) as exc:
         raise click.ClickException(str(exc)) from exc
     except sources.SourceError as exc:  # the count pass of --max-queued met a broken file
         raise click.ClickException(str(exc)) from exc

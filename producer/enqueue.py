@@ -7,14 +7,14 @@ each, one batched encode in the Rust tokenizer) -> check the context length -> p
 one MULTI: the jobs and their bits in the dataset's ``enqueued`` bitmap land together, so a killed
 enqueue never leaves a job without its bit (which would enqueue it twice on the next run) or a bit
 without its job. With ``max_queued`` a push waits until the queue has room, so Redis holds at most
-that many waiting jobs whatever the dataset's size.
+that many waiting jobs whatever the dataset's size. One enqueue of a dataset runs at a time
+(producer/lease.py: its lease fences every push), and each source file's rows are checked against
+the print of the rows enqueued from it before (producer/fingerprints.py), saved with every push.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.client import Pipeline
 
 from genq import datasets, sources
 from genq.bitmaps import is_set, set_bits
@@ -34,7 +35,9 @@ from genq.sources import SourceError
 from genq.templates import ChatTemplate
 from producer import rq_jobs
 from producer.context import Limits, check_fits, check_recipe, check_vocab
+from producer.fingerprints import Fingerprints
 from producer.formats import Shape
+from producer.lease import Lease
 from producer.readers import Rejected, Row, read_dataset
 from producer.rejects import RejectsFile
 
@@ -115,18 +118,44 @@ def enqueue_rows(
     expected_rows: int | None = None,
     report: Report = lambda line: None,
     rejects: RejectsFile | None = None,
+    prints: Fingerprints | None = None,
 ) -> Summary:
     """Enqueue every usable row not already enqueued (or done), ``settings.samples`` jobs each.
 
     Rejected rows (and rows clipped to fit) are reported as they come, rejected ones also to
     ``rejects``. ``expected_rows`` (the
     sources' row count) lets `genq status` show the dataset's full total while ``max_queued``
-    holds most of it back.
+    holds most of it back. ``prints``: the sources' prints ``rows`` checks as it reads (loaded
+    here, under the lease), saved with every push.
     """
     options = options or Options()
+    lease = Lease(conn, keys.enqueuing(settings.name), keys.enqueue_epoch(settings.name), settings.name)
+    patiently(lambda: lease.acquire(report), Outage(log))  # before the bitmaps are read
+    try:
+        if prints is not None:
+            patiently(lambda: prints.load(conn), Outage(log))
+        return _enqueue_leased(
+            conn, keys, settings, rows, options, expected_rows, report, lease, prints, rejects
+        )
+    finally:
+        lease.release()
+
+
+def _enqueue_leased(
+    conn: redis.Redis,
+    keys: Keys,
+    settings: datasets.DatasetSettings,
+    rows: Iterable[Row | Rejected],
+    options: Options,
+    expected_rows: int | None,
+    report: Report,
+    lease: Lease,
+    prints: Fingerprints | None,
+    rejects: RejectsFile | None,
+) -> Summary:
     summary = Summary()
-    pusher = _Pusher(conn, keys, settings, options, expected_rows)
-    stream = _fresh(conn, keys, settings, rows, summary)
+    pusher = _Pusher(conn, keys, settings, options, expected_rows, lease, prints)
+    stream = _fresh(conn, keys, settings, rows, summary, prints)
     if options.template is not None:
         stream = render_stream(stream, options.template, options.shape.turns == "all")
     max_new = int(settings.sampling_params["max_new_tokens"])
@@ -149,9 +178,9 @@ def enqueue_rows(
         summary.fatal = str(exc)
     summary.enqueued += pusher.flush()
     pusher.flush_rejected()
+    pusher.save_prints()  # the files read to their end (rows refused or skipped at their ends too)
     if summary.fatal is None:  # every row read: the bitmap holds the full total
         patiently(lambda: conn.hdel(keys.in_source, settings.name), pusher.outage)
-    patiently(lambda: conn.delete(keys.enqueuing(settings.name)), pusher.outage)
     return summary
 
 
@@ -179,26 +208,34 @@ def _fresh(
     settings: datasets.DatasetSettings,
     rows: Iterable[Row | Rejected],
     summary: Summary,
+    prints: Fingerprints | None = None,
 ) -> Iterator[tuple[Row | Rejected, list[int]]]:
     """Rows with the samples still to enqueue, and rejected rows (counted where every rejection is);
-    rows already enqueued or done are only counted."""
+    rows already enqueued or done are only counted. Those inside their file's recorded rows wait
+    until the reading has checked those rows (a file that differs then stops the enqueue first)."""
     name, samples = settings.name, settings.samples
     known = conn.get(keys.enqueued(name)) or b""
     done = conn.get(keys.done(name)) or b""
+    held: list[tuple[Row | Rejected, list[int]]] = []
     for item in rows:
         summary.read += 1
-        if isinstance(item, Rejected):
-            yield item, []
-            continue
         todo = []
-        for sample in range(samples):
-            index = bit_index(item.row, sample, samples)
-            if is_set(known, index) or is_set(done, index):
-                summary.skipped += 1
-            else:
-                todo.append(sample)
-        if todo:
+        if isinstance(item, Row):
+            for sample in range(samples):
+                index = bit_index(item.row, sample, samples)
+                if is_set(known, index) or is_set(done, index):
+                    summary.skipped += 1
+                else:
+                    todo.append(sample)
+        if prints is not None and item.mark is not None and prints.held(item.mark):
+            if todo or isinstance(item, Rejected):
+                held.append((item, todo))
+            continue
+        yield from held
+        held = []
+        if todo or isinstance(item, Rejected):
             yield item, todo
+    yield from held
 
 
 def render_stream(
@@ -241,11 +278,6 @@ def _render_held(
         yield item, todo
 
 
-# Says an enqueue is running (`genq verify` then counts rows still in the files as on their way).
-ALIVE = f"{socket.gethostname()}:{os.getpid()}"
-ALIVE_TTL_S = 60
-
-
 class _Pusher:
     """Builds job payloads and pushes them in MULTI batches, waiting for room with ``max_queued``."""
 
@@ -256,8 +288,11 @@ class _Pusher:
         settings: datasets.DatasetSettings,
         options: Options,
         expected_rows: int | None,
+        lease: Lease,
+        prints: Fingerprints | None = None,
     ):
         self.conn, self.keys, self.settings, self.options = conn, keys, settings, options
+        self.lease, self.prints = lease, prints
         self.queue = rq_queue(conn, keys, settings.name)
         self.size = BATCH if options.max_queued is None else max(1, min(BATCH, options.max_queued // 2))
         self.expected_jobs = expected_rows * settings.samples if expected_rows is not None else None
@@ -299,20 +334,38 @@ class _Pusher:
         return len(batch)
 
     def _push(self, batch: list[tuple[int, rq_jobs.Job]]) -> None:
-        name = self.settings.name
         if self.options.max_queued is not None:
             while self.conn.llen(self.queue.key) + len(batch) > self.options.max_queued:
-                self.conn.set(self.keys.enqueuing(name), ALIVE, ex=ALIVE_TTL_S)
-                time.sleep(POLL_S)
-        with self.conn.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.enqueuing(name), ALIVE, ex=ALIVE_TTL_S)
-            rq_jobs.push(pipe, self.queue, [job for _, job in batch], JOBS)
-            set_bits(pipe, self.keys.enqueued(name), [index for index, _ in batch])
-            if self.expected_jobs is not None:
-                # Jobs of the rows after this batch: still in the files (`genq status` counts them queued).
-                left = max(0, self.expected_jobs - batch[-1][0] - 1)
-                pipe.hset(self.keys.in_source, name, left)
-            pipe.execute()
+                time.sleep(POLL_S)  # the lease's own thread renews it meanwhile
+        written = self._saving(lambda pipe: self._queue_push(pipe, batch))
+        if self.prints is not None:
+            self.prints.saved_as(written)
+
+    def save_prints(self) -> None:
+        """Save the prints of the files read to their end, fenced like a push."""
+        if self.prints is not None:
+            self.prints.saved_as(patiently(lambda: self._saving(lambda pipe: None), self.outage))
+
+    def _saving(self, build: Callable[[Pipeline], None]) -> dict[int, int]:
+        """Run ``build``'s MULTI with the sources' prints it covers; returns the prints written."""
+        written: dict[int, int] = {}
+
+        def queued(pipe: Pipeline) -> None:
+            build(pipe)
+            if self.prints is not None:
+                written.update(self.prints.save(pipe))
+
+        self.lease.push(queued)
+        return written
+
+    def _queue_push(self, pipe: Pipeline, batch: list[tuple[int, rq_jobs.Job]]) -> None:
+        name = self.settings.name
+        rq_jobs.push(pipe, self.queue, [job for _, job in batch], JOBS)
+        set_bits(pipe, self.keys.enqueued(name), [index for index, _ in batch])
+        if self.expected_jobs is not None:
+            # Jobs of the rows after this batch: still in the files (`genq status` counts them queued).
+            left = max(0, self.expected_jobs - batch[-1][0] - 1)
+            pipe.hset(self.keys.in_source, name, left)
 
     def _job_data(self, item: Row, sample: int) -> rq_jobs.Job:
         settings, options, prompt = self.settings, self.options, item.prompt
@@ -374,5 +427,6 @@ def enqueue_dataset(
     if options.max_queued is not None:
         expected = sum(sources.count(path, options.split, options.max_row_bytes) for path in paths)
         report(f"{dataset}: {expected} rows in its sources; at most {options.max_queued} jobs queued at once")
-    rows = read_dataset(paths, options.shape, options.split, report, options.max_row_bytes)
-    return enqueue_rows(conn, keys, settings, rows, options, expected, report, rejects)
+    prints = Fingerprints(keys.sources(dataset), dataset, replace_settings, report)
+    rows = read_dataset(paths, options.shape, options.split, report, options.max_row_bytes, prints)
+    return enqueue_rows(conn, keys, settings, rows, options, expected, report, rejects, prints)

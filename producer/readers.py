@@ -16,6 +16,7 @@ import orjson
 
 from genq import sources
 from genq.sources import SourceError
+from producer.fingerprints import FileHash, Fingerprints, Mark
 from producer.formats import Prompt, RowError, Shape, ShapeError
 
 
@@ -28,6 +29,7 @@ class Row:
     prompt: Prompt
     max_new_tokens: int | None = None  # clipped to fit the context (--clip-max-new-tokens)
     raw: bytes | None = None  # the row as written (its start), should a later check reject it
+    mark: Mark | None = None  # its file and the file's print up to it (when enqueue hashes sources)
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Rejected:
     row: int
     reason: str
     raw: bytes | None = None  # the row as written (its first bytes), when it came from text
+    mark: Mark | None = None
 
     def __str__(self) -> str:
         return f"{self.where}: {self.reason}"
@@ -47,29 +50,54 @@ def read_dataset(
     split: str | None = None,
     report: Callable[[str], None] = lambda line: None,
     max_row_bytes: int = sources.MAX_ROW_BYTES,
+    prints: Fingerprints | None = None,
 ) -> Iterator[Row | Rejected]:
     """All rows of a dataset's sources in order. With ``--format auto``, ``report`` hears each
-    file's format (and any other format met further on in the same file)."""
+    file's format (and any other format met further on in the same file). With ``prints``, each
+    row carries its file's print up to it, checked against the recorded one as it is read."""
     row = 0
-    for path in paths:
-        seen: set[str] = set()
-        for record in sources.read(path, split, max_row_bytes):
-            if record.error is not None:
-                yield Rejected(record.where, row, record.error, record.raw)
+    for index, path in enumerate(paths):
+        hashed = prints.file(index, path) if prints is not None else None
+        try:
+            for item in _file_rows(path, row, shape, split, report, hashed, max_row_bytes):
+                yield item
                 row += 1
-                continue
-            try:
-                fmt, prompt = shape.parse(record.data)
-            except RowError as exc:
-                yield Rejected(record.where, row, str(exc), record.raw or _as_json(record.data))
-            except ShapeError as exc:
-                raise SourceError(f"{record.where}: {exc}") from exc
-            else:
-                if shape.format == "auto" and fmt not in seen:
-                    report(f"{path}: format {fmt}" if not seen else f"{record.where}: also format {fmt}")
-                    seen.add(fmt)
-                yield Row(record.where, row, prompt, raw=record.raw)
-            row += 1
+            if hashed is not None:
+                hashed.end()
+        except SourceError:
+            if prints is not None:
+                prints.abandon()  # a file that cannot be read on, or is refused: no print of it is saved
+            raise
+
+
+def _file_rows(
+    path: Path,
+    first: int,
+    shape: Shape,
+    split: str | None,
+    report: Callable[[str], None],
+    hashed: FileHash | None,
+    max_row_bytes: int,
+) -> Iterator[Row | Rejected]:
+    """One file's rows, numbered from ``first``."""
+    seen: set[str] = set()
+    for row, record in enumerate(sources.read(path, split, max_row_bytes), start=first):
+        mark = hashed.add(record) if hashed is not None else None
+        raw = record.raw[: sources.RAW_BYTES] if record.raw is not None else None
+        if record.error is not None:
+            yield Rejected(record.where, row, record.error, raw, mark)
+            continue
+        try:
+            fmt, prompt = shape.parse(record.data)
+        except RowError as exc:
+            yield Rejected(record.where, row, str(exc), raw or _as_json(record.data), mark)
+        except ShapeError as exc:
+            raise SourceError(f"{record.where}: {exc}") from exc
+        else:
+            if shape.format == "auto" and fmt not in seen:
+                report(f"{path}: format {fmt}" if not seen else f"{record.where}: also format {fmt}")
+                seen.add(fmt)
+            yield Row(record.where, row, prompt, raw=raw, mark=mark)
 
 
 def first_sampling(

@@ -10,6 +10,7 @@ from rq import Queue
 
 from genq.keys import Keys
 from genq.progress import STATES, dataset_counts
+from producer.lease import TTL_MS
 from tests.helpers import check_records, log_of, sigkill, stop, wait_until, write_prompts
 
 PARAMS = {"max_new_tokens": 64}
@@ -61,16 +62,13 @@ def test_a_killed_bounded_enqueue_resumes_without_duplicates(
     # No worker yet: the enqueue fills the queue to its bound and waits.
     first = procs.start("enqueue", data, "--max-new-tokens", "64", "--max-queued", "20")
     wait_until(lambda: conn.llen(queue.key) >= 20, 30, "the queue to reach its bound")
-    # While it waits for room the enqueue looks at the queue every 50 ms and marks itself alive
-    # after each look: overwrite the mark, and its return proves the enqueue looked again since,
-    # found no room, and pushed nothing.
+    # While it waits for room the enqueue looks at the queue every 50 ms and its lease is renewed
+    # every 2 s: stretch the lease, and its renewal back to TTL_MS proves the enqueue is alive,
+    # still waiting since, and pushed nothing.
     alive = Keys(namespace).enqueuing("resume")
-    conn.set(alive, "overwritten by the test")
-    wait_until(
-        lambda: conn.get(alive) == f"{socket.gethostname()}:{first.pid}".encode(),
-        30,
-        "the enqueue to look again",
-    )
+    assert conn.get(alive).startswith(f"{socket.gethostname()}:{first.pid}:".encode())
+    conn.pexpire(alive, 600_000)
+    wait_until(lambda: 0 < conn.pttl(alive) <= TTL_MS, 30, "the enqueue to look again")
     assert first.poll() is None, "the enqueue waits for room"
     assert conn.llen(queue.key) == 20, f"the enqueue pushed past its bound: {conn.llen(queue.key)} queued"
     counts = _counts(conn, namespace, "resume", settled=True)

@@ -288,6 +288,32 @@ def test_enqueue_into_a_full_redis_waits_and_pushes_each_row_once(own_redis, pro
 
 
 @pytest.mark.timeout(120)
+def test_an_enqueue_goes_on_after_an_oom_longer_than_its_lease(own_redis, procs, tmp_path):
+    """Redis refuses its pushes and its renewals (PEXPIRE is a ``denyoom`` write too) until its
+    lease lapses; nobody took the dataset meanwhile (the lease epoch says so), so it takes the lease
+    back and goes on when Redis takes writes again."""
+    _, conn = own_redis
+    keys = Keys(procs.env["GENQ_NAMESPACE"])
+    data, lease, queue = (
+        tmp_path / "long.jsonl",
+        keys.enqueuing("long"),
+        f"rq:queue:{keys.queue_name('long')}",
+    )
+    write_prompts(data, 3000)
+    enqueue = procs.start("enqueue", data, "--max-new-tokens", "200", "--max-queued", "100")
+    wait_until(lambda: conn.llen(queue) == 100, 30, "the queue at its bound (no worker)")
+    holder = conn.get(lease)
+    conn.config_set("maxmemory", conn.info("memory")["used_memory"] // 2)
+    conn.delete(queue)  # room (DEL is no denyoom write): its next push meets the full Redis
+    wait_until(lambda: f"{REFUSED} OOM" in log_of(enqueue), 30, "enqueue to meet the full Redis")
+    wait_until(lambda: not conn.exists(lease), 30, "the lease to lapse during the OOM")
+    conn.config_set("maxmemory", 0)
+    wait_until(lambda: conn.llen(queue) == 100, 30, "the enqueue to push again")
+    assert enqueue.poll() is None and "another enqueue took" not in log_of(enqueue), log_of(enqueue)
+    assert conn.get(lease) == holder, "the lease taken back by its holder"
+
+
+@pytest.mark.timeout(120)
 def test_an_error_reply_that_is_a_bug_fails_in_one_line(own_redis, procs, out):
     """WRONGTYPE where genq keeps its datasets' settings: not waited out, said in one line."""
     _, conn = own_redis
