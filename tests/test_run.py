@@ -176,3 +176,23 @@ def test_a_redis_from_the_environment_is_said_at_start(tmp_path, redis_url):
     assert "(from GENQ_REDIS_URL; unset it for a private one)" in proc.stderr, proc.stderr
     assert not (out / ".redis").exists()
     check_records(out, "env", prompts, {"max_new_tokens": 300})
+
+
+def test_run_takes_a_glob_as_enqueue_does(tmp_path, monkeypatch):
+    """A quoted glob (and a dataset folder) is what enqueue takes, so run takes it: one dataset per file."""
+    monkeypatch.delenv("GENQ_REDIS_URL", raising=False)
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    first = write_prompts(folder / "a.jsonl", 20)
+    second = write_prompts(folder / "b.jsonl", 15)
+    out = tmp_path / "out"
+    proc = _run(str(folder / "*.jsonl"), out, "--sim-latency", "zero")
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr.decode()[-3000:]
+    assert "a: 20 done, 0 failed of 20" in stdout.decode()
+    assert "b: 15 done, 0 failed of 15" in stdout.decode()
+    check_records(out, "a", first, {"max_new_tokens": 300})
+    check_records(out, "b", second, {"max_new_tokens": 300})

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from genq import progress
+from genq import progress, sources
 from genq.backends import NAMES
 from genq.commands import verify
 from genq.commands.embedded import EmbeddedRedis
@@ -87,9 +87,7 @@ def enqueue_argv(ctx: click.Context) -> list[str]:
 
 
 @click.command("run")
-@click.argument(
-    "files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
-)
+@click.argument("files", nargs=-1, required=True)
 @option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
 @option("--server", default=None, help="SGLang server URL (or --simulate).")
 @option("--simulate", is_flag=True, help="Start the bundled simulator (of --backend's API) and use it.")
@@ -130,7 +128,8 @@ def run_command(
     namespace,
     **_enqueue_options,
 ):
-    """Run FILES end to end on this machine and exit when every result is on disk.
+    """Run FILES (files, dataset folders, globs) end to end on this machine; exit when every result is
+    on disk.
 
     Takes every `genq enqueue` option too (sampling, --format, --tokenizer, ...), for the enqueue.
     """
@@ -141,6 +140,11 @@ def run_command(
             f"--simulate speaks {', '.join(SIMULATED)}, not {backend}: for llama.cpp start llama-server "
             "and pass --server URL (`make real-engine` runs the example on one)"
         )
+    try:  # files, dataset folders and globs, as enqueue takes them (one reader: genq/sources.py)
+        paths = sources.expand(list(files))
+    except sources.SourceError as exc:
+        raise click.ClickException(str(exc)) from exc
+    groups = [(dataset, paths)] if dataset else [(p.stem, [p]) for p in paths]
     ctx = click.get_current_context()
     source = ctx.get_parameter_source("redis_url")
     embedded = source == click.core.ParameterSource.DEFAULT
@@ -188,7 +192,6 @@ def run_command(
             children.append(sim)
             server = wait_for_line(sim, "sim-server listening on ", 30).rsplit(" ", 1)[1]
         env["GENQ_SERVER"] = server  # the children's --server: a password in it stays out of argv
-        groups = [(dataset, list(files))] if dataset else [(f.stem, [f]) for f in files]
         forwarded = enqueue_argv(ctx)
 
         def enqueue(name: str, paths: list[Path], *extra: str) -> None:
