@@ -50,6 +50,13 @@ def redis_password() -> str | None:
     return secret("REDIS_PASSWORD")
 
 
+SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel")
+
+
+class RedisURLError(ValueError):
+    """A Redis URL genq cannot dial: said in one line, with what to write instead."""
+
+
 def connect(url: str, **kwargs: Any) -> redis.Redis:
     """A Redis client for ``url`` that reconnects on its own and never hangs forever.
 
@@ -62,6 +69,11 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
     without a restart (a connection still open to a demoted primary fails and reconnects).
     """
     parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise RedisURLError(
+            f"Redis URL {redact(url)!r} has no scheme genq knows: write redis://HOST:PORT "
+            f"(or {', '.join(s + '://' for s in SCHEMES[1:])}), e.g. redis://localhost:6379"
+        )
     if parts.password is None and "password" not in kwargs:
         password = redis_password()
         if password:

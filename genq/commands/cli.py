@@ -15,7 +15,7 @@ from rich.table import Table
 from genq import __version__, failures, terminal
 from genq.commands import monitor as monitor_view
 from genq.commands.status import status
-from genq.connection import connect, redact
+from genq.connection import RedisURLError, connect
 from genq.keys import Keys
 from genq.redis_errors import fatal, not_now
 from genq.settings import option, redis_options
@@ -38,6 +38,23 @@ ROLES = {
 
 
 class LazyGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> object:
+        """Every command's operational errors in one line with what to do, not a traceback: a
+        Redis that cannot be reached or refuses (genq/redis_errors.py), a Redis URL it cannot
+        dial. A Redis error that is a bug is one line too (``fatal``)."""
+        try:
+            return super().invoke(ctx)
+        except RedisURLError as exc:
+            raise click.ClickException(str(exc)) from exc
+        except redis.RedisError as exc:
+            reason = not_now(exc)
+            if reason is None:
+                raise click.ClickException(fatal(exc)) from exc
+            raise click.ClickException(
+                f"{reason.rstrip('.')}; is redis-server running where --redis (GENQ_REDIS_URL) points? "
+                "`genq run` starts a private one"
+            ) from exc
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *ROLES])
 
@@ -62,11 +79,7 @@ def main() -> None:
 def status_command(as_json: bool, redis_url: str, namespace: str) -> None:
     """Per dataset: total enqueued, queued, in flight, retrying, done, failed (they add up); tokens,
     tokens/s and ETA; the workers alive; the collector's lag. Unknown numbers say so (null)."""
-    try:
-        data = status(connect(redis_url), Keys(namespace))
-    except redis.RedisError as exc:  # one line: an outage (genq/redis_errors.py), or a bug
-        reason = not_now(exc)
-        raise click.ClickException(f"{reason} ({redact(redis_url)})" if reason else fatal(exc)) from exc
+    data = status(connect(redis_url), Keys(namespace))  # a Redis error: one line (LazyGroup.invoke)
     if as_json:
         click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
