@@ -22,6 +22,7 @@ from tests.helpers import (
     genq_argv,
     log_of,
     read_jsonl,
+    server_load,
     server_up,
     sim_stats,
     status_json,
@@ -186,3 +187,42 @@ def test_an_abort_reaches_the_replica_running_the_request(replicas, router):
     status, body = answer["reply"]
     assert status == 200 and body["meta_info"]["finish_reason"]["type"] == "abort", body
     assert any("behind SGLang's router, 2 replicas" in note for note in notes), notes
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("replicas", [LONG_FLAGS], indirect=True, ids=["long"])
+def test_the_load_behind_the_router_is_the_sum_of_its_replicas(replicas, router):
+    """The router serves no load endpoint of its own: `--concurrency auto` steers by the replicas'
+    /v1/loads added up, so requests running on either replica count."""
+    rids = [f"genq-router-load.{i}" for i in range(3)]
+
+    def long_request(rid: str) -> None:
+        post(
+            router,
+            "/generate",
+            {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8000}, "rid": rid},
+        )
+
+    threads = [threading.Thread(target=long_request, args=(rid,)) for rid in rids]
+    for thread in threads:
+        thread.start()
+    wait_until(
+        lambda: sum(sim_stats(r.url)["in_flight"] for r in replicas) == 3, 30, "three requests running"
+    )
+    on_each = [sim_stats(r.url)["in_flight"] for r in replicas]
+
+    async def read():
+        async with Http(router) as http:
+            backend = await choose("auto", http)
+            await backend.probe()
+            load = await backend.load()
+            for rid in rids:
+                await backend.abort(rid)
+            return load
+
+    one = server_load(replicas[0].url, "sglang")
+    load = asyncio.run(read())
+    for thread in threads:
+        thread.join(60)
+    assert load is not None and load.running == 3, (load, on_each)
+    assert one is not None and load.kv_tokens == 2 * one.kv_tokens and load.max_running == 2 * one.max_running

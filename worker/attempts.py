@@ -182,7 +182,9 @@ class Attempts:
             )
             return RETRY
         metrics.attempt(time.monotonic() - sent, None)
-        self.concurrency.answered(time.monotonic() - sent, answer.completion_tokens)
+        self.concurrency.answered(
+            time.monotonic() - sent, answer.completion_tokens, answer.prompt_tokens, spec.max_new_tokens
+        )
         self.gate.served_one()
         tries.attempt = attempt
         return answer

@@ -10,8 +10,12 @@ without oscillating:
 - shrink ×0.7 on new retractions/preemptions, ×0.85 on a long waiting queue or a growing one;
 - hold while a small queue keeps the batch fed, the KV cache is nearly full, every slot is busy,
   or this worker is not using its target (no jobs, draining);
-- grow otherwise: ×1.25 while the KV cache is under half full (and no shrink for CAREFUL
-  steers), else by 1/16.
+- grow otherwise: ×2 from the start (TCP's slow start) while the KV cache would hold every job
+  at its longest (prompt + max_new_tokens) and the server has not pushed back (a queue, a
+  retraction); then ×1.25 while the KV cache is under half full (and no shrink for CAREFUL
+  steers), else by 1/16; never past what the KV cache holds at the jobs' end: its capacity over
+  the recent jobs' prompt + output tokens (its usage now lags: each running job's cache grows
+  with its output).
 
 Where the server says nothing of its load (hosted APIs), the per-token latency of the answers
 against its minimum steers instead, and each 429 is a shrink. With ``--concurrency N`` the
@@ -21,6 +25,7 @@ target is N and never moves.
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from genq.backends.load import Load
@@ -35,10 +40,12 @@ KV_EASY = 0.50  # far below: grow fast
 SHRINK_PREEMPTED = 0.7
 SHRINK_QUEUE = 0.85
 GROW_FAST = 1.25
+SLOW_START = 2.0  # the growth while even the longest jobs fit and the server has not pushed back
 USING = 0.8  # a target is in use when this share of it is in flight
 # The latency gradient (minimum per-token latency / recent): below SLOW shrink, above FAST grow.
 SLOW, FAST = 0.5, 0.8
 MIN_DRIFT = 1.01  # the minimum creeps up each steer, so a change of model or server is learned
+FOOTPRINTS = 256  # the last answers whose prompt + output tokens estimate a job's KV footprint
 # Steers after a shrink that shrink no further: jobs already in flight must end before it shows.
 SETTLE = 3
 # Steers after a shrink that grow only gently (TCP's congestion avoidance after slow start).
@@ -63,6 +70,9 @@ class Concurrency:
     _logged: tuple[float, int] | None = None  # (when, target) of the last log line
     _settling: int = 0
     _since_shrink: int = CAREFUL
+    _footprints: deque[int] = field(default_factory=lambda: deque(maxlen=FOOTPRINTS))  # tokens per job
+    _longest: deque[int] = field(default_factory=lambda: deque(maxlen=FOOTPRINTS))  # prompt + max_new
+    _slow_start: bool = True
 
     @classmethod
     def of(cls, config: WorkerConfig) -> Concurrency:
@@ -74,10 +84,13 @@ class Concurrency:
 
     # -- what the Worker tells it -----------------------------------------------------------
 
-    def answered(self, seconds: float, output_tokens: int) -> None:
-        """A send came back with an answer: a latency sample for servers without a load signal."""
+    def answered(self, seconds: float, output_tokens: int, prompt_tokens: int, max_new_tokens: int) -> None:
+        """A send came back with an answer: a latency sample for servers without a load signal,
+        and what one job holds of the KV cache at its end (prompt and output), and at most."""
         if self.auto:  # cleared at each steer; a fixed target is never steered
             self._samples.append(seconds / max(1, output_tokens))
+            self._footprints.append(prompt_tokens + output_tokens)
+            self._longest.append(prompt_tokens + max_new_tokens)
 
     def rate_limited(self) -> None:
         self._rate_limited += 1
@@ -125,6 +138,8 @@ class Concurrency:
         growing = waiting is not None and waiting > self._waiting
         self._waiting = waiting or 0
         small = max(2, running // 16)  # enough to fill the slots that free between two steps
+        if new_preempted or (waiting is not None and waiting > small):
+            self._slow_start = False
         if new_preempted:
             return self._times(SHRINK_PREEMPTED), f"{new_preempted} requests retracted or preempted"
         if waiting is not None and waiting > max(8, running // 4):
@@ -139,6 +154,33 @@ class Concurrency:
             return self.target, f"all {load.max_running} slots busy"
         if busy < USING * self.target:
             return self.target, f"{busy} in flight, under the target"
+        at_server = running + (waiting or 0)
+        if self._slow_start:
+            longest = self._room(load, at_server, self._longest)
+            if longest is not None and longest > 0:
+                new = min(max(self.target + 1, int(self.target * SLOW_START)), self.target + longest)
+                return new, "even the longest jobs fit the KV cache, nothing waiting (slow start)"
+            if longest is not None:
+                self._slow_start = False
+        room = self._room(load, at_server, self._footprints)
+        if room is not None and room <= 0:
+            per_job = statistics.fmean(self._footprints)
+            return (
+                self.target,
+                f"the KV cache fills with {running + (waiting or 0)} jobs of ~{per_job:.0f} tokens",
+            )
+        new, reason = self._grow(load)
+        return (new if room is None else min(new, self.target + room)), reason
+
+    def _room(self, load: Load, at_server: int, tokens_per_job: deque[int]) -> int | None:
+        """How many more jobs of the recent ones' size (``tokens_per_job``) the KV cache holds
+        (KV_TARGET of its tokens), beyond those at the server now: usage now lags, as each running
+        job's cache grows with its output. None until the capacity and answers are known."""
+        if not load.kv_tokens or not tokens_per_job:
+            return None
+        return int(KV_TARGET * load.kv_tokens / statistics.fmean(tokens_per_job)) - at_server
+
+    def _grow(self, load: Load) -> tuple[int, str]:
         if load.kv_usage is not None and load.kv_usage >= KV_EASY:
             return self._gently(), f"KV cache {load.kv_usage:.0%} full, nothing waiting"
         usage = f"KV cache {load.kv_usage:.0%} full" if load.kv_usage is not None else "capacity free"

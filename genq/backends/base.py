@@ -236,7 +236,7 @@ class Backend(ABC):
         self.http = http
         self.model = model  # the model to ask for, where a server serves several
         self.info: ServerInfo | None = None
-        self._absent: set[str] = set()  # load endpoints this server does not serve
+        self._absent: set[tuple[str | None, str]] = set()  # (server, load endpoint) not served
 
     @abstractmethod
     async def probe(self) -> ServerInfo:
@@ -256,14 +256,15 @@ class Backend(ABC):
         AttemptError when the server cannot be reached."""
         return None
 
-    async def load_endpoint(self, path: str) -> bytes | None:
-        """The body of a load endpoint, or None: not now (an error status), or never (404, 501:
-        not served by this server or its configuration, remembered so it is asked once)."""
-        if path in self._absent:
+    async def load_endpoint(self, path: str, at: str | None = None) -> bytes | None:
+        """The body of a load endpoint of the server (or of the one at ``at``), or None: not now
+        (an error status), or never (404, 501: not served by that server or its configuration,
+        remembered so it is asked once)."""
+        if (at, path) in self._absent:
             return None
-        status, raw, _ = await self.http.call("GET", path, timeout=LOAD_TIMEOUT_S)
+        status, raw, _ = await self.http.call("GET", path, timeout=LOAD_TIMEOUT_S, at=at)
         if status in (404, 405, 501):
-            self._absent.add(path)
+            self._absent.add((at, path))
         return raw if status == 200 else None
 
     async def healthy(self) -> bool:

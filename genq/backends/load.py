@@ -74,3 +74,20 @@ def total(values: Iterable[int | None]) -> int | None:
     """Sum of the known values; None if none is known."""
     known = [v for v in values if v is not None]
     return sum(known) if known else None
+
+
+def summed(loads: list[Load]) -> Load | None:
+    """Several batches as one (DP ranks, replicas behind a router): counts and capacities added,
+    the fullest KV cache's usage (the first to retract); None when there is none."""
+    if not loads:
+        return None
+    usages = [load.kv_usage for load in loads if load.kv_usage is not None]
+    return Load(
+        source="+".join(dict.fromkeys(load.source for load in loads)),
+        running=total(load.running for load in loads),
+        waiting=total(load.waiting for load in loads),
+        kv_usage=max(usages) if usages else None,
+        preempted=total(load.preempted for load in loads),
+        max_running=total(load.max_running for load in loads),
+        kv_tokens=total(load.kv_tokens for load in loads),
+    )

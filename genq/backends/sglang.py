@@ -58,7 +58,7 @@ from genq.backends.base import (
     from_status,
     parse_json,
 )
-from genq.backends.load import Load, count, fraction, prometheus, total
+from genq.backends.load import Load, count, fraction, prometheus, summed
 from genq.logprobs import Invalid, LogProbs, number
 from genq.schema import JobSpec
 
@@ -218,9 +218,22 @@ class SGLang(Backend):
 
     async def load(self) -> Load | None:
         """/v1/loads for the batch, /metrics (--enable-metrics) for retractions; either alone
-        where the other is not served."""
-        loads = await self.load_endpoint("/v1/loads?include=core")
-        metrics = await self.load_endpoint("/metrics")
+        where the other is not served. Behind the router (which serves neither), the sum over the
+        replicas genq reaches: their batches are the router's."""
+        if not self.router:
+            return await self._load_at(None)
+        if not self.reached:
+            return None
+        return summed([load for load in await asyncio.gather(*map(self._load_at, self.replicas)) if load])
+
+    async def _load_at(self, at: str | None) -> Load | None:
+        try:
+            loads = await self.load_endpoint("/v1/loads?include=core", at)
+            metrics = await self.load_endpoint("/metrics", at)
+        except AttemptError:
+            if self.router:  # a replica that is down carries no load; the others still steer
+                return None
+            raise
         counted = from_metrics(metrics.decode("utf-8", "replace")) if metrics is not None else None
         batch = from_loads(loads) if loads is not None else None
         if batch is None or counted is None:
@@ -259,14 +272,18 @@ def from_loads(raw: bytes) -> Load | None:
         return None
     if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
         return None
-    usages = [u for u in (fraction(r.get("token_usage")) for r in ranks) if u is not None]
-    return Load(
-        source="/v1/loads",
-        running=total(count(r.get("num_running_reqs")) for r in ranks),
-        waiting=total(count(r.get("num_waiting_reqs")) for r in ranks),
-        kv_usage=max(usages) if usages else None,
-        max_running=total(count(r.get("max_running_requests")) for r in ranks),
-        kv_tokens=total(count(r.get("max_total_num_tokens")) for r in ranks),
+    return summed(
+        [
+            Load(
+                source="/v1/loads",
+                running=count(r.get("num_running_reqs")),
+                waiting=count(r.get("num_waiting_reqs")),
+                kv_usage=fraction(r.get("token_usage")),
+                max_running=count(r.get("max_running_requests")),
+                kv_tokens=count(r.get("max_total_num_tokens")),
+            )
+            for r in ranks
+        ]
     )
 
 
