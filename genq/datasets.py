@@ -89,8 +89,9 @@ def register(
 ) -> DatasetSettings:
     """Record ``settings`` for a new dataset, or check them against the recorded ones.
 
-    Returns the settings in force. Raises :class:`SettingsMismatch` when the recipe differs and
-    ``replace`` is false.
+    Returns the settings in force. Raises :class:`SettingsMismatch` when the recipe differs,
+    ``replace`` is false and a job of the dataset was enqueued already (before that, the new
+    settings replace the recorded ones: nothing was made with those).
     """
     if conn.hsetnx(keys.datasets, settings.name, dumps(asdict(settings))):
         return settings
@@ -108,6 +109,11 @@ def register(
             current.sources = new
             conn.hset(keys.datasets, settings.name, dumps(asdict(current)))
         return current
+    if not replace and not conn.bitcount(keys.enqueued(settings.name)):
+        # Nothing of it was ever enqueued (a first run that failed before its first row, say
+        # without the --tokenizer its rows need): its settings bind nothing yet.
+        conn.hset(keys.datasets, settings.name, dumps(asdict(settings)))
+        return settings
     if not replace:
         raise SettingsMismatch(
             f"dataset {settings.name!r} was first enqueued with {current.recipe()}, "

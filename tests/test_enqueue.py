@@ -109,3 +109,16 @@ def test_enqueue_script_and_env_settings(procs, conn, tmp_path, namespace):
     assert [job.kwargs["sampling_params"] for job in jobs] == [{"max_new_tokens": 33}] * 3, (
         "GENQ_MAX_NEW_TOKENS did not reach the jobs"
     )
+
+
+def test_a_first_enqueue_that_enqueued_nothing_binds_no_settings(procs, tmp_path):
+    """A first try that enqueued nothing (every row refused under its settings, as a newcomer's
+    first `genq run` is) fixes no settings: the corrected command is taken. Once a job is
+    enqueued, they are fixed."""
+    data = write_jsonl(tmp_path / "long.jsonl", [{"input_ids": list(range(1, 61))}])
+    res = procs.run("enqueue", data, "--context-length", "100", "--max-new-tokens", "80")
+    assert res.returncode == 3 and "enqueued 0" in res.stdout, res.stderr  # 60 + 80 > 100
+    res = procs.run("enqueue", data, "--context-length", "100", "--max-new-tokens", "30")
+    assert res.returncode == 0 and "enqueued 1" in res.stdout, res.stderr
+    res = procs.run("enqueue", data, "--context-length", "100", "--max-new-tokens", "20")
+    assert res.returncode != 0 and "was first enqueued with" in res.stderr, res.stderr
