@@ -196,3 +196,35 @@ def test_run_takes_a_glob_as_enqueue_does(tmp_path, monkeypatch):
     assert "b: 15 done, 0 failed of 15" in stdout.decode()
     check_records(out, "a", first, {"max_new_tokens": 300})
     check_records(out, "b", second, {"max_new_tokens": 300})
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_says_it_drains_and_a_second_stops_at_once(tmp_path, monkeypatch, start_sim):
+    """The first Ctrl-C lets the generations in flight finish or go back, saying how long it may
+    take and that a second Ctrl-C stops at once; the second does, exit 130, no traceback."""
+    monkeypatch.delenv("GENQ_REDIS_URL", raising=False)
+    sim = start_sim(
+        "--latency", "realistic", "--decode-step-ms", "5", "--min-len", "6000", "--max-len", "6000"
+    )
+    data = tmp_path / "slow.jsonl"
+    write_prompts(data, 20)
+    out = tmp_path / "out"
+    err = tmp_path / "run.err"
+    argv = [sys.executable, "-m", "genq", "run", str(data), "--out", str(out), "--server", sim]
+    with err.open("wb") as fh:
+        run = subprocess.Popen([*argv, "--max-new-tokens", "7000"], stdout=subprocess.DEVNULL, stderr=fh)
+    try:
+        wait_until(
+            lambda: PROGRESS.search(err.read_text()) and int(PROGRESS.findall(err.read_text())[-1][3]) > 0,
+            90,
+            "generations in flight",
+        )
+        run.send_signal(2)
+        wait_until(lambda: "Ctrl-C again to stop now" in err.read_text(), 30, "the first Ctrl-C's line")
+        assert run.poll() is None, "the first Ctrl-C waits for the generations in flight"
+        run.send_signal(2)
+        assert run.wait(20) == 130, err.read_text()[-2000:]
+    finally:
+        run.kill()
+    text = err.read_text()
+    assert "stopping now" in text and "Traceback" not in text, text[-2000:]

@@ -34,6 +34,8 @@ from genq.settings import option, redis_options
 from producer.cli import EXIT_REJECTED, enqueue_command  # `genq run` is the roles together, as genq is
 from worker.config import ConcurrencyParam
 
+STOP_S = 30.0  # how long a child may take to stop (a worker's drain) before it is killed
+
 
 class Interrupted(Exception):
     pass
@@ -258,15 +260,26 @@ def run_command(
             )
             sys.exit(EXIT_REJECTED)
     except Interrupted:
-        click.echo("\ngenq run: interrupted; run the same command again to resume", err=True)
-        for proc in reversed(children):
-            stop(proc, 30)
+        click.echo(
+            f"\ngenq run: interrupted: the generations in flight finish or go back to the queue (up to "
+            f"{STOP_S:.0f} s a process); Ctrl-C again to stop now. Run the same command again to resume.",
+            err=True,
+        )
+        try:
+            for proc in reversed(children):
+                stop(proc, STOP_S)
+        except Interrupted:  # the second Ctrl-C: what is in flight runs again on resume
+            click.echo("genq run: stopping now; the generations in flight run again on resume", err=True)
+            for proc in children:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         if redis_server is not None:
             redis_server.stop()
         sys.exit(130)
     finally:
         for proc in reversed(children):
-            stop(proc, 30)
+            stop(proc, STOP_S)
         if redis_server is not None:
             redis_server.stop()
 
