@@ -236,7 +236,10 @@ def enqueue_command(
             info = backends.probe(server, backend)
         except (backends.ServerRefused, backends.AttemptError) as exc:
             bare = backends.split_credentials(server)[0]
-            raise click.ClickException(f"could not read the limits of {bare}: {exc}") from exc
+            hint = (
+                "; is the server running? check the URL" if getattr(exc, "kind", None) == "connection" else ""
+            )
+            raise click.ClickException(f"could not read the limits of {bare}: {exc}{hint}") from exc
         backend = info.backend
         vllm_chat = backend == "openai-chat" and (info.version or "").startswith("vllm")
         accepted = backends.VLLM_SAMPLING_KEYS if vllm_chat else backends.BACKENDS[backend].sampling_keys

@@ -62,3 +62,20 @@ def test_text_log_names_the_worker(procs, start_sim, tmp_path, namespace):
     res = procs.run("worker", "--server", url, "--burst")
     assert res.returncode == 0
     assert f" INFO genq.worker[genq.{namespace}." in res.stderr, res.stderr
+
+
+def test_a_server_nothing_listens_on_is_said_so_with_how_long_and_what_to_check(procs, tmp_path):
+    """A mistyped port: enqueue's one line asks whether the server runs; a worker keeps waiting
+    (as documented) and each line says how long it has waited so far and what to check."""
+    data = tmp_path / "p.jsonl"
+    write_prompts(data, 2)
+    server = f"http://127.0.0.1:{free_port()}"
+    res = procs.run("enqueue", data, "--server", server)
+    assert res.returncode != 0 and "is the server running? check the URL" in res.stderr, res.stderr
+    assert procs.run("enqueue", data).returncode == 0
+    worker = procs.start("worker", "--server", server)
+    wait_until(lambda: log_of(worker).count("not ready") >= 3, 60, "three probes of the absent server")
+    lines = [line for line in log_of(worker).splitlines() if "not ready" in line]
+    assert all("waited" in line and "check --server" in line for line in lines), lines
+    assert "waited 0 s so far" in lines[0] and "waited 0 s so far" not in lines[-1], lines
+    assert stop(worker) == 0, log_of(worker)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,7 @@ class ServerGate:
         one line and EXIT_REFUSED, before a single job has paid for it.
         """
         delays = backoff.doubling(1.0, 30.0)
+        since = time.monotonic()
         while not stopping.is_set():
             delay = next(delays)
             # A server that hangs (its probe may wait out a 120 s deadline) must not hold up a
@@ -73,10 +75,12 @@ class ServerGate:
                 raise SystemExit(EXIT_REFUSED) from exc
             except AttemptError as exc:
                 log.warning(
-                    "server %s not ready (%s); probing again in %.0f s",
+                    "server %s not ready (%s), waited %s so far; probing again in %.0f s%s",
                     self.config.server,
                     exc,
+                    _span(time.monotonic() - since),
                     delay,
+                    "; is it running? check --server (GENQ_SERVER)" if exc.kind == "connection" else "",
                     extra={**self.books.log_context(), "server": self.config.server},
                 )
             with contextlib.suppress(TimeoutError):
@@ -163,3 +167,13 @@ class ServerGate:
     def cancel(self) -> None:
         for task in self._tasks:
             task.cancel()
+
+
+def _span(seconds: float) -> str:
+    """A wait as people say it: 45 s, 2 min 30 s, 1 h 5 min."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
