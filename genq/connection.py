@@ -112,7 +112,8 @@ def wait_for_redis(conn: redis.Redis, url: str, give_up_after: float | None = No
             reason = not_now(exc)  # None for a refused password: it fails at once
             if reason is None or (deadline is not None and time.monotonic() + delay > deadline):
                 raise
-            log.warning("%s (%s); retrying in %.1f s", reason, redact(url), delay)
+            left = "" if give_up_after is None else f", giving up {give_up_after:.0f} s after the first try"
+            log.warning("%s (%s); retrying in %.1f s%s", reason, redact(url), delay, left)
         time.sleep(delay)
 
 

@@ -339,7 +339,10 @@ def enqueue_command(
     try:
         wait_for_redis(conn, redis_url, give_up_after=REDIS_START_WAIT_S)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise click.ClickException(f"Redis unreachable at {redact(redis_url)}: {exc}") from exc
+        raise click.ClickException(
+            f"Redis unreachable at {redact(redis_url)}: {exc} Start redis-server there (or point --redis, "
+            "GENQ_REDIS_URL, at yours), or use `genq run`, which starts a private one"
+        ) from exc
     if not register_only:
         hint_hash_encoding(conn)
     rejects_file = RejectsFile(rejects) if rejects is not None and not register_only else None
