@@ -1,4 +1,5 @@
-"""The console every command prints tables with: rich's, never cutting a number.
+"""How numbers are shown: the console every command prints tables with (rich's, never cutting a
+number), and durations as people say them.
 
 Piped into a file or `less`, rich assumes 80 columns and shortens what does not fit (`avg 2,3…`).
 Tables only grow as wide as their content, so off a terminal the console is given room enough for
@@ -19,3 +20,13 @@ def console(**kwargs: Any) -> Console:
     if not found.is_terminal and "width" not in kwargs:
         return Console(width=PIPED_WIDTH, **kwargs)
     return found
+
+
+def duration(seconds: float) -> str:
+    """A duration as people say it: 45 s, 2 min 30 s, 3 h 20 min."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"

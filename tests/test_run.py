@@ -228,3 +228,23 @@ def test_ctrl_c_says_it_drains_and_a_second_stops_at_once(tmp_path, monkeypatch,
         run.kill()
     text = err.read_text()
     assert "stopping now" in text and "Traceback" not in text, text[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_progress_in_a_log_has_rates_and_eta_and_the_end_says_what_next(tmp_path, monkeypatch):
+    """Off a terminal (a log), the progress lines carry tokens/s and an ETA once the collector has
+    measured a rate; the start says how to watch the private Redis (no password on the line), the
+    end the wall time, the tokens and the commands to run next."""
+    monkeypatch.delenv("GENQ_REDIS_URL", raising=False)
+    data = tmp_path / "p.jsonl"
+    write_prompts(data, 300)
+    out = tmp_path / "out"
+    run = _run(data, out)
+    stdout, stderr = (part.decode() for part in run.communicate(timeout=240))
+    assert run.returncode == 0, stderr[-3000:]
+    watch = next(line for line in stderr.splitlines() if "genq monitor --redis redis://127.0.0.1:" in line)
+    password = (out / ".redis" / "password").read_text().strip()
+    assert f"GENQ_REDIS_PASSWORD_FILE={out / '.redis' / 'password'}" in watch and password not in watch
+    rated = [line for line in stderr.splitlines() if PROGRESS.search(line) and " tok/s, ETA " in line]
+    assert rated, stderr[-3000:]
+    assert re.search(r"wall time \d.*, [\d,]+ completion tokens\. Next: genq stats ", stdout), stdout

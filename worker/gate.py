@@ -19,6 +19,7 @@ from typing import Any
 from genq import backends, backoff
 from genq.backends import Backend, Http, ServerInfo, ServerRefused
 from genq.backends.base import AttemptError
+from genq.terminal import duration
 from worker.config import WorkerConfig
 from worker.rq_worker import Bookkeeper
 
@@ -78,7 +79,7 @@ class ServerGate:
                     "server %s not ready (%s), waited %s so far; probing again in %.0f s%s",
                     self.config.server,
                     exc,
-                    _span(time.monotonic() - since),
+                    duration(time.monotonic() - since),
                     delay,
                     "; is it running? check --server (GENQ_SERVER)" if exc.kind == "connection" else "",
                     extra={**self.books.log_context(), "server": self.config.server},
@@ -167,13 +168,3 @@ class ServerGate:
     def cancel(self) -> None:
         for task in self._tasks:
             task.cancel()
-
-
-def _span(seconds: float) -> str:
-    """A wait as people say it: 45 s, 2 min 30 s, 1 h 5 min."""
-    s = int(seconds)
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60} s"
-    return f"{s // 3600} h {s % 3600 // 60} min"

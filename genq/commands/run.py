@@ -22,15 +22,18 @@ import click
 
 from genq import progress, sources
 from genq.backends import NAMES
+from genq.clock import redis_time
 from genq.commands import verify
 from genq.commands.embedded import EmbeddedRedis
 from genq.commands.processes import genq_command, spawn, stop, wait_for_line
+from genq.commands.status import totals, with_tokens
 from genq.connection import connect, redact, split_password
 from genq.keys import Keys, validate_name
 from genq.reaper import requeue_orphans
 from genq.redis_errors import Outage, patiently
 from genq.schema import REJECTS
 from genq.settings import option, redis_options
+from genq.terminal import duration
 from producer.cli import EXIT_REJECTED, enqueue_command  # `genq run` is the roles together, as genq is
 from worker.config import ConcurrencyParam
 
@@ -161,6 +164,7 @@ def run_command(
 
     signal.signal(signal.SIGTERM, interrupted)
     signal.signal(signal.SIGINT, interrupted)
+    started = time.monotonic()
     try:
         if redis_server is not None:
             redis_url = redis_server.start()
@@ -175,6 +179,12 @@ def run_command(
             click.core.ParameterSource.ENVIRONMENT: " (from GENQ_REDIS_URL; unset it for a private one)",
         }.get(source, "")
         click.echo(f"genq run: Redis {redact(redis_url)}{where}", err=True)
+        if redis_server is not None:  # its port is new each run: say how to look at it meanwhile
+            click.echo(
+                f"genq run: watch it with GENQ_REDIS_PASSWORD_FILE={redis_server.password_file} genq monitor "
+                f"--redis {split_password(redis_url)[0]} --namespace {namespace}",
+                err=True,
+            )
         if embedded:
             back = requeue_orphans(conn, keys)
             if back:
@@ -240,9 +250,15 @@ def run_command(
         for proc in pool:
             stop(proc, 90)
         stop(collector, 60)
-        counts = progress.dataset_counts(conn, keys)
-        for name, c in counts.items():
+        per_dataset = with_tokens(conn, keys, progress.dataset_counts(conn, keys), redis_time(conn))
+        for name, c in per_dataset.items():
             click.echo(f"{name}: {c['done']} done, {c['failed']} failed of {c['total']} -> {out / name}")
+        tokens = totals(per_dataset)["completion_tokens"]
+        click.echo(
+            f"wall time {duration(time.monotonic() - started)}"
+            + (f", {tokens:,} completion tokens" if tokens is not None else "")
+            + f". Next: genq stats {out} · genq export {out} --format sharegpt · genq report {out}"
+        )
         # The audit: every job of every dataset exactly once, on disk (genq verify).
         audits = [verify.audit(conn, keys, out, name, paths) for name, paths in groups]
         for result in audits:
@@ -338,18 +354,22 @@ def _follow(conn, keys: Keys, pool, collector, worker_argv, logs: Path, env) -> 
     while True:
         # A Redis restarting (LOADING), busy or unreachable for a while is waited out.
         counts = patiently(lambda: progress.dataset_counts(conn, keys), outage)
-        total = sum(c["total"] for c in counts.values())
-        done = sum(c["done"] for c in counts.values())
-        failed = sum(c["failed"] for c in counts.values())
+        view = totals(
+            patiently(lambda counts=counts: with_tokens(conn, keys, counts, redis_time(conn)), outage)
+        )
+        total, done, failed = view["total"], view["done"], view["failed"]
         if first_done is None:
             first_done = done + failed
         elapsed = time.monotonic() - start
         rate = (done + failed - first_done) / elapsed if elapsed > 0 else 0.0
         line = (
             f"[{elapsed:6.0f}s] {done + failed}/{total} on disk ({failed} failed), "
-            f"{sum(c['in_flight'] for c in counts.values())} in flight, "
-            f"{sum(c['queued'] for c in counts.values())} queued, {rate:.1f} jobs/s"
+            f"{view['in_flight']} in flight, {view['queued']} queued, {rate:.1f} jobs/s"
         )
+        if view["tokens_per_s"]:
+            line += f", {view['tokens_per_s']:,.0f} tok/s"
+        if view["eta_s"] and done + failed < total:
+            line += f", ETA {duration(view['eta_s'])}"
         if tty:
             click.echo("\r" + line.ljust(100), nl=False, err=True)
         elif time.monotonic() - last_print >= 5:

@@ -61,7 +61,7 @@ def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
     return out
 
 
-def _with_tokens(conn: redis.Redis, keys: Keys, counts: dict[str, dict[str, int]], now: float) -> dict:
+def with_tokens(conn: redis.Redis, keys: Keys, counts: dict[str, dict[str, int]], now: float) -> dict:
     """Each dataset's counts with its tokens, rates and ETA (None, never 0, where unknown)."""
     buckets = token_counts.window_buckets(now)
     with conn.pipeline(transaction=False) as pipe:
@@ -108,7 +108,7 @@ def totals(per_dataset: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str, Any]:
     """Everything `genq status --json` prints. ``now`` (Redis time by default) is for tests."""
     now = now if now is not None else redis_time(conn)
-    per_dataset = _with_tokens(conn, keys, dataset_counts(conn, keys), now)
+    per_dataset = with_tokens(conn, keys, dataset_counts(conn, keys), now)
     alive = workers(conn, keys, now)
     return {
         "namespace": keys.namespace,
