@@ -151,7 +151,10 @@ def test_kills_on_a_real_engine_lose_and_repeat_nothing(procs, llama_model, out,
         def hung() -> bool:
             return seen(workers, "looks down") > down and seen(workers, "failed: timeout") > timeouts
 
-        wait_until(hung, 60, "requests to time out and a worker to see the stopped engine down")
+        # Each timed-out send first asks /health, which the stopped engine leaves hanging for its
+        # 30 s timeout (genq/backends/base.py HEALTH_TIMEOUT_S): 3 s + 30 s before the first
+        # verdict, twice over on a loaded machine (60 s was seen to fall short in CI).
+        wait_until(hung, 150, "requests to time out and a worker to see the stopped engine down")
         os.kill(server.proc.pid, signal.SIGCONT)
         finish_run(procs, "kills", len(prompts), 240, *workers, collector)
         _check_exact(out, "kills", prompts, server.url)
