@@ -257,8 +257,16 @@ def test_compose_demo_in_containers(project, report):
     total = len(rows)
 
     # A worker with jobs in flight, as its last report says; its container is the one of its host.
-    # First thing after `up`: the simulator's realistic latency keeps the demo's 200 prompts
-    # (SIM_MIN_LEN-512 tokens, all in flight at once) busy for 30 s or more; a look takes a second.
+    # The simulator is paused (cgroup freezer) once both workers serve it: their requests are sent
+    # and stay in flight, so no look, however slow `podman exec` is, comes after the run's end.
+    def serving() -> bool:
+        logs = [run(["podman", "logs", c["Names"][0]], 60) for c in workers]
+        return all(" serving http://sim-server" in log.stdout + log.stderr for log in logs)
+
+    project.wait(serving, 120, "both workers serving the simulator")
+    sim_server = project.one("sim-server")
+    assert run(["podman", "pause", sim_server], 60).returncode == 0
+
     def busy() -> dict | None:
         status = project.status()
         done = status["datasets"].get(DATASET, {}).get("done", 0)
@@ -268,6 +276,7 @@ def test_compose_demo_in_containers(project, report):
     victim = project.wait(busy, 120, "a worker with jobs in flight")
     (container,) = [c["Names"][0] for c in workers if c["Id"].startswith(victim["host"])]
     assert run(["podman", "kill", "--signal", "KILL", container], 60).returncode == 0
+    assert run(["podman", "unpause", sim_server], 60).returncode == 0
     killed_at = time.monotonic()
 
     # The dashboard on its published loopback port, with its password only.

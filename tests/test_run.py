@@ -10,6 +10,7 @@ import sys
 import orjson
 import pytest
 
+from genq.commands.embedded import EmbeddedRedis
 from tests.helpers import check_records, read_jsonl, sigkill, wait_until, write_prompts, written_lines
 
 
@@ -130,6 +131,51 @@ def test_run_example_dataset_text_prompts(tmp_path, monkeypatch):
     assert {r["source_id"] for r in records} == {r["id"] for r in rows}
 
 
+def _genq(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "genq", *args], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_run_is_looked_at_with_out(tmp_path, monkeypatch):
+    """After `genq run` has ended (its private Redis stopped, its port gone), status, failed, retry,
+    monitor and verify `--out OUT` start that Redis again from OUT/.redis for as long as they run,
+    answer from it, and leave no redis-server behind; a folder without one is one line."""
+    monkeypatch.delenv("GENQ_REDIS_URL", raising=False)
+    data = tmp_path / "looked.jsonl"
+    write_prompts(data, 50)
+    out = tmp_path / "out"
+    ran = _run(data, out, "--sim-latency", "zero")
+    _, stderr = ran.communicate(timeout=180)
+    assert ran.returncode == 0, stderr.decode()[-3000:]
+
+    status = _genq("status", "--out", str(out), "--json")
+    assert status.returncode == 0, status.stderr
+    counts = orjson.loads(status.stdout)["datasets"]["looked"]
+    assert (counts["total"], counts["done"], counts["failed"]) == (50, 50, 0), counts
+    assert "its private Redis is started again" in status.stderr, status.stderr
+    for argv in (
+        ["failed", "--out", str(out)],
+        ["retry", "--all", "--out", str(out)],
+        ["monitor", "--once", "--width", "100", "--out", str(out)],
+        ["verify", "--out", str(out)],  # verify's --out is always there: the private Redis is found
+    ):
+        done = _genq(*argv)
+        assert done.returncode == 0, (argv, done.stdout, done.stderr)
+        assert "Traceback" not in done.stderr, done.stderr
+    assert "no failed jobs" in _genq("failed", "--out", str(out)).stdout
+    assert "looked: OK" in _genq("verify", "--out", str(out)).stdout
+    assert EmbeddedRedis(out / ".redis").running_pid() is None, "a redis-server was left running"
+
+    both = _genq("status", "--out", str(out), "--redis", "redis://127.0.0.1:6379")
+    assert both.returncode == 2 and "give --out or --redis, not both" in both.stderr, both.stderr
+    other = _genq("status", "--out", str(tmp_path))
+    assert other.returncode == 1, other.stderr
+    (line,) = other.stderr.strip().splitlines()
+    assert "no private Redis of a `genq run` here" in line, line
+
+
 @pytest.mark.timeout(480)  # two runs of up to 180 s each
 def test_rerun_on_a_fresh_redis_runs_nothing_already_on_disk(tmp_path, redis_url):
     """The files are the truth: a new namespace (or a wiped Redis) learns from them what is done."""
@@ -233,18 +279,21 @@ def test_ctrl_c_says_it_drains_and_a_second_stops_at_once(tmp_path, monkeypatch,
 @pytest.mark.timeout(300)
 def test_progress_in_a_log_has_rates_and_eta_and_the_end_says_what_next(tmp_path, monkeypatch):
     """Off a terminal (a log), the progress lines carry tokens/s and an ETA once the collector has
-    measured a rate; the start says how to watch the private Redis (no password on the line), the
+    measured a rate; the start says how to watch the private Redis (`genq monitor --out`), the
     end the wall time, the tokens and the commands to run next."""
     monkeypatch.delenv("GENQ_REDIS_URL", raising=False)
     data = tmp_path / "p.jsonl"
     write_prompts(data, 300)
     out = tmp_path / "out"
     run = _run(data, out)
+    # While it runs, `--out` finds its private Redis on the port it has now (nothing restarted).
+    wait_until(lambda: (out / ".redis" / "port").exists(), 60, "the private Redis")
+    looked = _genq("status", "--out", str(out), "--json")
+    assert looked.returncode == 0 and "started again" not in looked.stderr, looked.stderr
+    assert orjson.loads(looked.stdout)["datasets"].get("p", {}).get("done", 0) < 300, "looked after the end"
     stdout, stderr = (part.decode() for part in run.communicate(timeout=240))
     assert run.returncode == 0, stderr[-3000:]
-    watch = next(line for line in stderr.splitlines() if "genq monitor --redis redis://127.0.0.1:" in line)
-    password = (out / ".redis" / "password").read_text().strip()
-    assert f"GENQ_REDIS_PASSWORD_FILE={out / '.redis' / 'password'}" in watch and password not in watch
+    assert f"genq run: watch it with genq monitor --out {out}\n" in stderr, stderr[-3000:]
     rated = [line for line in stderr.splitlines() if PROGRESS.search(line) and " tok/s, ETA " in line]
     assert rated, stderr[-3000:]
     assert re.search(r"wall time \d.*, [\d,]+ completion tokens\. Next: genq stats ", stdout), stdout

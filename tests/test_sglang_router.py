@@ -191,9 +191,14 @@ def test_an_abort_reaches_the_replica_running_the_request(replicas, router):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("replicas", [LONG_FLAGS], indirect=True, ids=["long"])
+@pytest.mark.parametrize("router", [("--policy", "round_robin")], indirect=True, ids=["round-robin"])
 def test_the_load_behind_the_router_is_the_sum_of_its_replicas(replicas, router):
     """The router serves no load endpoint of its own: `--concurrency auto` steers by the replicas'
-    /v1/loads added up, so requests running on either replica count."""
+    /v1/loads added up, so requests running on either replica count.
+
+    Round robin spreads the three requests over both replicas (the default cache-aware policy sends
+    identical prompts to one, where a sum is not tested); the read waits until every request is
+    admitted (running, not waiting), so the sum has one answer."""
     rids = [f"genq-router-load.{i}" for i in range(3)]
 
     def long_request(rid: str) -> None:
@@ -206,10 +211,13 @@ def test_the_load_behind_the_router_is_the_sum_of_its_replicas(replicas, router)
     threads = [threading.Thread(target=long_request, args=(rid,)) for rid in rids]
     for thread in threads:
         thread.start()
-    wait_until(
-        lambda: sum(sim_stats(r.url)["in_flight"] for r in replicas) == 3, 30, "three requests running"
-    )
-    on_each = [sim_stats(r.url)["in_flight"] for r in replicas]
+
+    def running_on_each() -> list[int]:
+        return [load.running if (load := server_load(r.url, "sglang")) else 0 for r in replicas]
+
+    wait_until(lambda: sum(running_on_each()) == 3, 30, "three requests running")
+    on_each = running_on_each()
+    assert all(on_each), f"round robin left a replica idle: {on_each}"
 
     async def read():
         async with Http(router) as http:
@@ -224,5 +232,5 @@ def test_the_load_behind_the_router_is_the_sum_of_its_replicas(replicas, router)
     load = asyncio.run(read())
     for thread in threads:
         thread.join(60)
-    assert load is not None and load.running == 3, (load, on_each)
+    assert load is not None and (load.running, load.waiting) == (3, 0), (load, on_each)
     assert one is not None and load.kv_tokens == 2 * one.kv_tokens and load.max_running == 2 * one.max_running

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from genq import __version__, failures, terminal
 from genq.commands import monitor as monitor_view
+from genq.commands.run_redis import out_option, redis_of
 from genq.commands.status import status
 from genq.connection import RedisURLError, connect
 from genq.keys import Keys
@@ -75,11 +76,13 @@ def main() -> None:
 
 @main.command("status")
 @option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@out_option("status")
 @redis_options
-def status_command(as_json: bool, redis_url: str, namespace: str) -> None:
+def status_command(as_json: bool, out: Path | None, redis_url: str, namespace: str) -> None:
     """Per dataset: total enqueued, queued, in flight, retrying, done, failed (they add up); tokens,
     tokens/s and ETA; the workers alive; the collector's lag. Unknown numbers say so (null)."""
-    data = status(connect(redis_url), Keys(namespace))  # a Redis error: one line (LazyGroup.invoke)
+    with redis_of(out, redis_url) as (url, auth):
+        data = status(connect(url, **auth), Keys(namespace))  # a Redis error: one line (LazyGroup.invoke)
     if as_json:
         click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
@@ -109,9 +112,16 @@ def status_command(as_json: bool, redis_url: str, namespace: str) -> None:
     help="With --once: also save the frame as an SVG picture.",
 )
 @option("--width", type=click.IntRange(min=40), default=None, help="Columns (default: the terminal's).")
+@out_option("monitor")
 @redis_options
 def monitor_command(
-    interval: float, once: bool, svg: Path | None, width: int | None, redis_url: str, namespace: str
+    interval: float,
+    once: bool,
+    svg: Path | None,
+    width: int | None,
+    out: Path | None,
+    redis_url: str,
+    namespace: str,
 ) -> None:
     """Live view of the run: progress, tokens/s and ETA per dataset, workers, failures, collector lag.
 
@@ -120,17 +130,23 @@ def monitor_command(
     if svg is not None and not once:
         raise click.UsageError("--svg goes with --once")
     console = Console(width=width, record=svg is not None)
-    monitor = monitor_view.Monitor(redis_url, Keys(namespace))
-    sys.exit(monitor_view.run(monitor, console, interval, once, svg))
+    with redis_of(out, redis_url) as (url, auth):
+        monitor = monitor_view.Monitor(url, Keys(namespace), **auth)
+        code = monitor_view.run(monitor, console, interval, once, svg)
+    sys.exit(code)
 
 
 @main.command("failed")
 @option("--dataset", env="GENQ_FAILED_DATASET", default=None, help="Only this dataset.")
 @option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@out_option("failed")
 @redis_options
-def failed_command(dataset: str | None, as_json: bool, redis_url: str, namespace: str) -> None:
+def failed_command(
+    dataset: str | None, as_json: bool, out: Path | None, redis_url: str, namespace: str
+) -> None:
     """Terminal failures, grouped by reason (error class and the server's message)."""
-    groups = failures.group(failures.failures(connect(redis_url), Keys(namespace), dataset))
+    with redis_of(out, redis_url) as (url, auth):
+        groups = failures.group(failures.failures(connect(url, **auth), Keys(namespace), dataset))
     if as_json:
         data = [{"error": g.error, "message": g.message, "count": len(g.ids), "ids": g.ids} for g in groups]
         click.echo(orjson.dumps({"groups": data}, option=orjson.OPT_INDENT_2).decode())
@@ -155,9 +171,15 @@ def failed_command(dataset: str | None, as_json: bool, redis_url: str, namespace
 )
 @option("--all", "retry_all", env="GENQ_RETRY_ALL", is_flag=True, help="Every failure.")
 @option("--dataset", env="GENQ_RETRY_DATASET", default=None, help="Only this dataset.")
+@out_option("retry")
 @redis_options
 def retry_command(
-    reason: str | None, retry_all: bool, dataset: str | None, redis_url: str, namespace: str
+    reason: str | None,
+    retry_all: bool,
+    dataset: str | None,
+    out: Path | None,
+    redis_url: str,
+    namespace: str,
 ) -> None:
     """Put terminal failures back on their queues, each with a fresh attempt budget.
 
@@ -165,13 +187,15 @@ def retry_command(
     """
     if not reason and not retry_all:
         raise click.UsageError("say which: --reason TEXT or --all")
-    conn, keys = connect(redis_url), Keys(namespace)
-    chosen = [
-        f
-        for f in failures.failures(conn, keys, dataset)
-        if retry_all or reason.lower() in f"{f.error} {f.message}".lower()
-    ]
-    retried, waiting = failures.retry(conn, keys, chosen)
+    keys = Keys(namespace)
+    with redis_of(out, redis_url) as (url, auth):
+        conn = connect(url, **auth)
+        chosen = [
+            f
+            for f in failures.failures(conn, keys, dataset)
+            if retry_all or reason.lower() in f"{f.error} {f.message}".lower()
+        ]
+        retried, waiting = failures.retry(conn, keys, chosen)
     click.echo(
         f"retried {retried}" + (f"; {waiting} not in errors.jsonl yet, left for now" if waiting else "")
     )

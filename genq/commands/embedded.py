@@ -93,14 +93,34 @@ class EmbeddedRedis:
     def pidfile(self) -> Path:
         return self.folder / "redis.pid"
 
-    def _stop_leftover(self, timeout: float = 15.0) -> None:
-        """A redis-server from a killed run may still be writing this folder's AOF: wait it out."""
+    @property
+    def portfile(self) -> Path:
+        """The port of the server running on this folder, for the commands that look at a run."""
+        return self.folder / "port"
+
+    def running_pid(self) -> int | None:
+        """The pid of the redis-server running on this folder, if one is."""
         try:
             pid = int(self.pidfile.read_text().strip())
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, ValueError):
-            return
-        if b"redis-server" not in cmdline:  # a stale pidfile, its pid reused by something else
+            return None
+        return pid if b"redis-server" in cmdline else None  # else a stale pidfile, its pid reused
+
+    def attach(self) -> str | None:
+        """The URL of the redis-server running on this folder (a `genq run` going on), or None."""
+        if self.running_pid() is None:
+            return None
+        try:
+            self.port = int(self.portfile.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return self.url
+
+    def _stop_leftover(self, timeout: float = 15.0) -> None:
+        """A redis-server from a killed run may still be writing this folder's AOF: wait it out."""
+        pid = self.running_pid()
+        if pid is None:
             return
         deadline = time.monotonic() + timeout
         sig = signal.SIGTERM
@@ -159,6 +179,7 @@ class EmbeddedRedis:
                 if client.ping():
                     # AOF loading answers -LOADING until done.
                     client.dbsize()
+                    self.portfile.write_text(f"{self.port}\n")
                     return self.url
             except (redis.ConnectionError, redis.BusyLoadingError):
                 pass

@@ -233,11 +233,11 @@ def unreachable(url: str, exc: Exception, at: float, reason: str | None = None) 
 class Monitor:
     """Fetches a frame's data; keeps the slow failure grouping for FAILURES_EVERY_S."""
 
-    def __init__(self, redis_url: str, keys: Keys):
+    def __init__(self, redis_url: str, keys: Keys, **auth: str | None):
         self.url = redis_url
         self.keys = keys
         # Short timeouts: a frame must say "unreachable" within seconds, not hang on a socket.
-        self.conn = connect(redis_url, socket_connect_timeout=3, socket_timeout=5)
+        self.conn = connect(redis_url, socket_connect_timeout=3, socket_timeout=5, **auth)
         self._groups: list[failures.Group] = []
         self._groups_at = float("-inf")
 

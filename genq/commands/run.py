@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from genq.keys import Keys, validate_name
 from genq.reaper import requeue_orphans
 from genq.redis_errors import Outage, patiently
 from genq.schema import REJECTS
-from genq.settings import option, redis_options
+from genq.settings import DEFAULT_NAMESPACE, option, redis_options
 from genq.terminal import duration
 from producer.cli import EXIT_REJECTED, enqueue_command  # `genq run` is the roles together, as genq is
 from worker.config import ConcurrencyParam
@@ -179,12 +180,9 @@ def run_command(
             click.core.ParameterSource.ENVIRONMENT: " (from GENQ_REDIS_URL; unset it for a private one)",
         }.get(source, "")
         click.echo(f"genq run: Redis {redact(redis_url)}{where}", err=True)
-        if redis_server is not None:  # its port is new each run: say how to look at it meanwhile
-            click.echo(
-                f"genq run: watch it with GENQ_REDIS_PASSWORD_FILE={redis_server.password_file} genq monitor "
-                f"--redis {split_password(redis_url)[0]} --namespace {namespace}",
-                err=True,
-            )
+        if redis_server is not None:  # its port is new each run: `--out` finds it (run_redis.py)
+            ns = "" if namespace == DEFAULT_NAMESPACE else f" --namespace {namespace}"
+            click.echo(f"genq run: watch it with genq monitor --out {shlex.quote(str(out))}{ns}", err=True)
         if embedded:
             back = requeue_orphans(conn, keys)
             if back:
@@ -258,6 +256,7 @@ def run_command(
             f"wall time {duration(time.monotonic() - started)}"
             + (f", {tokens:,} completion tokens" if tokens is not None else "")
             + f". Next: genq stats {out} · genq export {out} --format sharegpt · genq report {out}"
+            + (f" · genq status --out {out}" if embedded else "")
         )
         # The audit: every job of every dataset exactly once, on disk (genq verify).
         audits = [verify.audit(conn, keys, out, name, paths) for name, paths in groups]

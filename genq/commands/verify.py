@@ -21,6 +21,7 @@ import orjson
 import redis
 
 from genq import datasets, sources
+from genq.commands.run_redis import has_private_redis, redis_of
 from genq.connection import connect
 from genq.keys import Keys
 from genq.queues import rq_queue
@@ -247,17 +248,21 @@ def verify_command(
     raw_responses.jsonl or in errors.jsonl: every row of FILES (× samples), or without FILES every
     job Redis knows was enqueued. Prints what is missing (and the command that puts it back) and
     what is on disk twice; exits 1 when anything is."""
-    conn = connect(redis_url)
     keys = Keys(namespace)
     try:
         paths = sources.expand(list(files)) if files else None
     except sources.SourceError as exc:
         raise click.ClickException(str(exc)) from exc
-    if paths:
-        names = [dataset or Path(files[0]).stem]
-    else:
-        names = [dataset] if dataset else sorted(datasets.load_all(conn, keys))
-    results = [audit(conn, keys, out, name, paths) for name in names]
+    # A `genq run` folder brings its private Redis, unless --redis or GENQ_REDIS_URL names one.
+    source = click.get_current_context().get_parameter_source("redis_url")
+    private = source == click.core.ParameterSource.DEFAULT and has_private_redis(out)
+    with redis_of(out if private else None, redis_url) as (url, auth):
+        conn = connect(url, **auth)
+        if paths:
+            names = [dataset or Path(files[0]).stem]
+        else:
+            names = [dataset] if dataset else sorted(datasets.load_all(conn, keys))
+        results = [audit(conn, keys, out, name, paths) for name in names]
     if as_json:
         click.echo(orjson.dumps([r.as_dict() for r in results], option=orjson.OPT_INDENT_2).decode())
     else:
