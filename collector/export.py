@@ -353,6 +353,7 @@ def export_command(
     names = [dataset] if dataset else sorted(p.parent.name for p in out_dir.glob(f"*/{RAW}"))
     if not names:
         raise click.ClickException(f"{out_dir}: no <dataset>/{RAW} in it")
+    empty = []  # datasets whose every record was left out: nothing to train on is a failure
     for name in names:
         raw = out_dir / name / RAW
         if not raw.is_file():
@@ -370,3 +371,9 @@ def export_command(
             click.echo(f"{name}: rendered {result.rendered} records with {tokenizer}'s chat template")
         for reason, n in result.skipped.most_common():
             click.echo(f"{name}: left out {n}: {reason}", err=True)
+        if not result.written and result.skipped:
+            empty.append(name)
+    if empty:
+        raise click.ClickException(
+            f"nothing exported from {', '.join(empty)}: every record was left out, for the reasons above"
+        )

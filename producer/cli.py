@@ -31,10 +31,6 @@ from producer.rejects import RejectsFile
 EXIT_REJECTED = 3
 SIZE_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
-# A Redis started beside enqueue (compose, where podman honours no health condition) gets this long
-# to answer before enqueue gives up.
-REDIS_START_WAIT_S = 60.0
-
 
 def dataset_name(dataset: str | None, files: tuple[str, ...]) -> str:
     name = dataset or Path(files[0]).stem
@@ -186,6 +182,14 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
     help="Read, check and render every row, print per file what would be enqueued and rejected and "
     "its first prompt; enqueue nothing, record nothing, touch no Redis.",
 )
+@option(
+    "--redis-wait",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    metavar="SECONDS",
+    help="How long to wait for a Redis that does not answer (yet) before giving up: one started "
+    "beside enqueue, as in compose, where podman honours no health condition.",
+)
 @redis_options
 def enqueue_command(
     files,
@@ -217,6 +221,7 @@ def enqueue_command(
     think_end,
     think_end_token_id,
     dry_run,
+    redis_wait,
     redis_url,
     namespace,
 ):
@@ -337,7 +342,7 @@ def enqueue_command(
         return
     conn = connect(redis_url)
     try:
-        wait_for_redis(conn, redis_url, give_up_after=REDIS_START_WAIT_S)
+        wait_for_redis(conn, redis_url, give_up_after=redis_wait)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise click.ClickException(
             f"Redis unreachable at {redact(redis_url)}: {exc} Start redis-server there (or point --redis, "

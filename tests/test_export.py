@@ -203,9 +203,11 @@ def test_eagle3_of_text_prompts_encodes_them_as_the_server_did(procs, tmp_path, 
     write_jsonl(folder / "raw_responses.jsonl", records)
 
     res = procs.run("export", tmp_path / "out", "--format", "eagle3")
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 1, "an export that wrote nothing of its records is a failure"
     assert read_jsonl(folder / "tokenized_data.jsonl") == []
     assert "left out 2: a text prompt sent without a tokenizer" in res.stderr, res.stderr
+    last = res.stderr.splitlines()[-1]
+    assert last.startswith("Error: nothing exported from ") and "every record was left out" in last, last
 
     res = procs.run("export", tmp_path / "out", "--format", "eagle3", "--tokenizer", tokenizer_dir)
     assert res.returncode == 0, res.stderr

@@ -23,3 +23,18 @@ def test_one_line_with_what_to_do(procs, tmp_path, url, command):
     assert len([line for line in lines if line.startswith("Error: ")]) == 1, res.stderr
     hint = "redis://localhost:6379" if url == "localhost:6379" else "is redis-server running"
     assert hint in res.stderr, res.stderr
+
+
+def test_enqueue_says_how_long_it_waits_for_redis_and_then_what_to_do(procs, tmp_path):
+    """A Redis nothing listens on: enqueue says it retries and for how long (--redis-wait), then
+    gives up with one line naming the URL and the three ways on."""
+    data = write_jsonl(tmp_path / "data.jsonl", [{"prompt": "hello"}])
+    res = procs.run(
+        "enqueue", data, "--redis-wait", "2", env={"GENQ_REDIS_URL": "redis://127.0.0.1:1"}, timeout=60
+    )
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "retrying in 0.5 s, giving up 2 s after the first try" in res.stderr, res.stderr
+    (error,) = [line for line in res.stderr.splitlines() if line.startswith("Error: ")]
+    assert "Redis unreachable at redis://127.0.0.1:1" in error, error
+    for way in ("Start redis-server there", "--redis", "GENQ_REDIS_URL", "`genq run`"):
+        assert way in error, error

@@ -61,6 +61,7 @@ _RUN_OWN = {
     "register_only",
     "dry_run",
     "rejects",
+    "redis_wait",
 }
 
 
