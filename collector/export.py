@@ -34,7 +34,7 @@ from typing import Any
 import click
 import orjson
 
-from genq import openai_batch
+from genq import datasets, openai_batch
 from genq.schema import ERRORS, EXPORTS, RAW
 from genq.settings import option
 from genq.templates import ChatTemplate, TemplateError
@@ -298,6 +298,34 @@ def _chat(view: _View, fmt: str, reasoning_content: bool) -> dict[str, Any] | st
     return {"id": view.id, "conversations": conversations}
 
 
+def recorded_template(folder: Path) -> ChatTemplate | None:
+    """The chat template of the tokenizer the dataset was enqueued with (its dataset.json, which
+    the collector writes), for eagle3 without --tokenizer; None, said in one line, when none was
+    recorded usable here."""
+    try:
+        settings = datasets.read_file(folder)
+    except ValueError as exc:
+        click.echo(f"{folder.name}: {exc}; pass --tokenizer", err=True)
+        return None
+    name = settings.prompting.get("tokenizer") if settings else None
+    if not isinstance(name, str):
+        return None
+    kwargs = settings.prompting.get("chat_template_kwargs")
+    try:
+        template = ChatTemplate(name, kwargs if isinstance(kwargs, dict) else None)
+    except TemplateError as exc:
+        click.echo(f"{folder.name}: the dataset's tokenizer is not usable here: {exc}", err=True)
+        return None
+    if template.fingerprint != settings.prompting.get("chat_template"):
+        click.echo(
+            f"{folder.name}: the dataset's tokenizer {name} here has another chat template than at "
+            "enqueue: not used; pass --tokenizer to render with it anyway",
+            err=True,
+        )
+        return None
+    return template
+
+
 @click.command("export")
 @click.argument("out_dir", metavar="DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @option(
@@ -347,7 +375,7 @@ def export_command(
     included). Records left out are counted with the reason.
     """
     try:
-        template = ChatTemplate(tokenizer) if tokenizer and fmt == "eagle3" else None
+        given = ChatTemplate(tokenizer) if tokenizer and fmt == "eagle3" else None
     except TemplateError as exc:
         raise click.ClickException(str(exc)) from exc
     names = [dataset] if dataset else sorted(p.parent.name for p in out_dir.glob(f"*/{RAW}"))
@@ -358,6 +386,7 @@ def export_command(
         raw = out_dir / name / RAW
         if not raw.is_file():
             raise click.ClickException(f"{raw}: no such file")
+        template = given or (recorded_template(out_dir / name) if fmt == "eagle3" else None)
         result = export_dataset(
             raw,
             (export_dir or out_dir) / name / EXPORTS[fmt],
@@ -367,8 +396,9 @@ def export_command(
             template,
         )
         click.echo(f"{name}: wrote {result.written} to {result.path}")
-        if result.rendered:
-            click.echo(f"{name}: rendered {result.rendered} records with {tokenizer}'s chat template")
+        if result.rendered and template is not None:
+            whose = "" if given else " (the dataset's, recorded at enqueue)"
+            click.echo(f"{name}: rendered {result.rendered} records with {template.name}'s template{whose}")
         for reason, n in result.skipped.most_common():
             click.echo(f"{name}: left out {n}: {reason}", err=True)
         if not result.written and result.skipped:

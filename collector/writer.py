@@ -180,6 +180,10 @@ class Collector:
         self._unacked.add(name)
         if not self._reconcile(name):
             return
+        try:  # a convenience beside the files (export's tokenizer): never worth stopping for
+            datasets_mod.write_file(self._settings[name], self.out / name)
+        except OSError as exc:
+            log.warning("dataset %s: its settings not written beside its files: %s", name, exc)
         self.conn.set(self.keys.collector_ready(name), self.lease_id)
         log.info("collector %s: holds dataset %s", self.lease_id, name, extra={"dataset": name})
 

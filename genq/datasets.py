@@ -7,6 +7,7 @@ generation settings is refused unless the caller says so explicitly.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import redis
 
 from genq.keys import Keys, validate_name
-from genq.schema import dumps, loads, now_iso
+from genq.schema import SETTINGS, dumps, loads, now_iso
 
 log = logging.getLogger("genq.datasets")
 _refused: set[bytes] = set()  # names already said to be refused: one error line each per process
@@ -77,6 +78,32 @@ def load_all(conn: redis.Redis, keys: Keys) -> dict[str, DatasetSettings]:
             continue
         found[name] = settings
     return found
+
+
+def write_file(settings: DatasetSettings, folder: Path) -> None:
+    """``folder/dataset.json``: the settings beside the dataset's files, replaced whole (a reader
+    never sees half of it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / (SETTINGS + ".part")
+    tmp.write_bytes(dumps(asdict(settings)) + b"\n")
+    os.replace(tmp, folder / SETTINGS)
+
+
+def read_file(folder: Path) -> DatasetSettings | None:
+    """The settings in ``folder/dataset.json``, or None when there are none (a folder written
+    before genq kept them) or they do not parse (ValueError says why)."""
+    try:
+        raw = (folder / SETTINGS).read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        value = loads(raw)
+        settings = DatasetSettings(**value) if isinstance(value, dict) else None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{folder / SETTINGS}: not genq's dataset settings: {exc}") from exc
+    if settings is None or not isinstance(settings.prompting, dict):
+        raise ValueError(f"{folder / SETTINGS}: not genq's dataset settings")
+    return settings
 
 
 def load(conn: redis.Redis, keys: Keys, name: str) -> DatasetSettings | None:

@@ -20,6 +20,10 @@ RAW = "raw_responses.jsonl"
 ERRORS = "errors.jsonl"
 # The rows `genq run`'s enqueue rejected, beside them (producer/rejects.py writes its lines).
 REJECTS = "rejected.jsonl"
+# The dataset's settings as enqueue recorded them (genq/datasets.py), copied beside its files by the
+# collector that holds it, so the files alone say how they were made (`genq export` reads the
+# tokenizer there).
+SETTINGS = "dataset.json"
 # What `genq export` writes beside them by default, per format; `genq stats` knows its own exports
 # there and does not count their records twice (collector/stats.py).
 EXPORTS = {

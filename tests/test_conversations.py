@@ -90,10 +90,20 @@ def test_every_user_turn_is_answered_with_the_models_own_earlier_answers(
     for r in records:
         answers = [m["content"] for m in exported[r["id"]] if m["role"] == "assistant"]
         assert answers == [t["text"] for t in r["turns"]]
+    # Without --tokenizer: the dataset's own, from the dataset.json the collector wrote beside its
+    # files; with that file gone (a folder of before), eagle3 asks for --tokenizer.
+    settings = orjson.loads((out / "conv" / "dataset.json").read_bytes())
+    assert settings["prompting"]["tokenizer"] == str(tokenizer_dir), settings
+    res = procs.run("export", out, "--format", "eagle3", "--include-truncated")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "rendered 40 records with" in res.stdout and "(the dataset's, recorded at enqueue)" in res.stdout
+    by_recorded = (out / "conv" / "tokenized_data.jsonl").read_bytes()
+    (out / "conv" / "dataset.json").rename(tmp_path / "dataset.json")
     res = procs.run("export", out, "--format", "eagle3", "--include-truncated")
     assert "a conversation: eagle3 renders it whole with --tokenizer" in res.stderr
     res = procs.run("export", out, "--format", "eagle3", "--include-truncated", "--tokenizer", tokenizer_dir)
     assert res.returncode == 0 and "rendered 40 records" in res.stdout, res.stdout + res.stderr
+    assert (out / "conv" / "tokenized_data.jsonl").read_bytes() == by_recorded
     tokenized = read_jsonl(out / "conv" / "tokenized_data.jsonl")
     assert sorted(row["id"] for row in tokenized) == sorted(exported) and len(tokenized) == len(rows)
     for row in tokenized:
