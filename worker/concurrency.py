@@ -10,12 +10,14 @@ without oscillating:
 - shrink ×0.7 on new retractions/preemptions, ×0.85 on a long waiting queue or a growing one;
 - hold while a small queue keeps the batch fed, the KV cache is nearly full, every slot is busy,
   or this worker is not using its target (no jobs, draining);
-- grow otherwise: ×2 from the start (TCP's slow start) while the KV cache would hold every job
-  at its longest (prompt + max_new_tokens) and the server has not pushed back (a queue, a
-  retraction); then ×1.25 while the KV cache is under half full (and no shrink for CAREFUL
-  steers), else by 1/16; never past what the KV cache holds at the jobs' end: its capacity over
-  the recent jobs' prompt + output tokens (its usage now lags: each running job's cache grows
-  with its output).
+- grow otherwise: from the start (TCP's slow start) ×2, or at once to every batch slot the
+  server has (``max_running``), while the KV cache would hold every job at its longest (prompt +
+  max_new_tokens) and the server has not pushed back (a queue, a retraction); then ×1.25 while
+  the KV cache is under half full (and no shrink for CAREFUL steers), else by 1/16; never past
+  what the KV cache holds in steady state: jobs at every stage of their output at once, each
+  holding on average its prompt and half its output, with three standard deviations of margin
+  for the moments when many are late in their lives (its usage now lags: each running job's
+  cache grows with its output, so usage alone would over-admit).
 
 Where the server says nothing of its load (hosted APIs), the per-token latency of the answers
 against its minimum steers instead, and each 429 is a shrink. With ``--concurrency N`` the
@@ -24,6 +26,7 @@ target is N and never moves.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,6 +39,8 @@ FLOOR = 8  # never fewer in flight under auto (bounded by the ceiling)
 START = 32
 LOG_EVERY_S = 10.0
 KV_TARGET = 0.90  # grow while the KV cache is less full than this
+KV_FULL = 0.95  # the steady-state bound: the cache this full, Z standard deviations above the mean
+Z = 3.0
 KV_EASY = 0.50  # far below: grow fast
 SHRINK_PREEMPTED = 0.7
 SHRINK_QUEUE = 0.85
@@ -45,7 +50,7 @@ USING = 0.8  # a target is in use when this share of it is in flight
 # The latency gradient (minimum per-token latency / recent): below SLOW shrink, above FAST grow.
 SLOW, FAST = 0.5, 0.8
 MIN_DRIFT = 1.01  # the minimum creeps up each steer, so a change of model or server is learned
-FOOTPRINTS = 256  # the last answers whose prompt + output tokens estimate a job's KV footprint
+FOOTPRINTS = 256  # the last answers whose prompt and output tokens estimate a job's KV footprint
 # Steers after a shrink that shrink no further: jobs already in flight must end before it shows.
 SETTLE = 3
 # Steers after a shrink that grow only gently (TCP's congestion avoidance after slow start).
@@ -70,7 +75,9 @@ class Concurrency:
     _logged: tuple[float, int] | None = None  # (when, target) of the last log line
     _settling: int = 0
     _since_shrink: int = CAREFUL
-    _footprints: deque[int] = field(default_factory=lambda: deque(maxlen=FOOTPRINTS))  # tokens per job
+    _answers: deque[tuple[int, int]] = field(
+        default_factory=lambda: deque(maxlen=FOOTPRINTS)
+    )  # (prompt, output)
     _longest: deque[int] = field(default_factory=lambda: deque(maxlen=FOOTPRINTS))  # prompt + max_new
     _slow_start: bool = True
 
@@ -89,7 +96,7 @@ class Concurrency:
         and what one job holds of the KV cache at its end (prompt and output), and at most."""
         if self.auto:  # cleared at each steer; a fixed target is never steered
             self._samples.append(seconds / max(1, output_tokens))
-            self._footprints.append(prompt_tokens + output_tokens)
+            self._answers.append((prompt_tokens, output_tokens))
             self._longest.append(prompt_tokens + max_new_tokens)
 
     def rate_limited(self) -> None:
@@ -156,29 +163,46 @@ class Concurrency:
             return self.target, f"{busy} in flight, under the target"
         at_server = running + (waiting or 0)
         if self._slow_start:
-            longest = self._room(load, at_server, self._longest)
+            longest = self._room_longest(load, at_server)
             if longest is not None and longest > 0:
-                new = min(max(self.target + 1, int(self.target * SLOW_START)), self.target + longest)
-                return new, "even the longest jobs fit the KV cache, nothing waiting (slow start)"
+                new = max(self.target + 1, int(self.target * SLOW_START))
+                if load.max_running and at_server < load.max_running:  # fill every slot at once
+                    new = max(new, self.target + load.max_running - at_server)
+                return min(
+                    new, self.target + longest
+                ), "even the longest jobs fit the KV cache, nothing waiting (slow start)"
             if longest is not None:
                 self._slow_start = False
-        room = self._room(load, at_server, self._footprints)
+        room = self._room_steady(load, at_server)
         if room is not None and room <= 0:
-            per_job = statistics.fmean(self._footprints)
-            return (
-                self.target,
-                f"the KV cache fills with {running + (waiting or 0)} jobs of ~{per_job:.0f} tokens",
-            )
+            return self.target, f"the KV cache is full in steady state with {at_server} jobs"
         new, reason = self._grow(load)
         return (new if room is None else min(new, self.target + room)), reason
 
-    def _room(self, load: Load, at_server: int, tokens_per_job: deque[int]) -> int | None:
-        """How many more jobs of the recent ones' size (``tokens_per_job``) the KV cache holds
-        (KV_TARGET of its tokens), beyond those at the server now: usage now lags, as each running
-        job's cache grows with its output. None until the capacity and answers are known."""
-        if not load.kv_tokens or not tokens_per_job:
+    def _room_longest(self, load: Load, at_server: int) -> int | None:
+        """How many more jobs the KV cache holds (KV_TARGET of it) beyond those at the server now,
+        were every job at its longest (prompt + max_new_tokens): None until the capacity and
+        the jobs are known."""
+        if not load.kv_tokens or not self._longest:
             return None
-        return int(KV_TARGET * load.kv_tokens / statistics.fmean(tokens_per_job)) - at_server
+        return int(KV_TARGET * load.kv_tokens / statistics.fmean(self._longest)) - at_server
+
+    def _room_steady(self, load: Load, at_server: int) -> int | None:
+        """How many more jobs like the recent answers the KV cache holds beyond those at the server
+        now, in steady state: N jobs at uniformly spread stages of their output hold on average N
+        times (prompt + output / 2), with a standard deviation of sqrt(N) times one job's; the
+        largest N whose mean plus Z deviations fits KV_FULL of the cache. None until the capacity
+        and answers are known."""
+        if not load.kv_tokens or not self._answers:
+            return None
+        # One job at a uniform stage u of its output holds p + u*o: mean p + o/2, and
+        # E[(p + u*o)^2] = p^2 + p*o + o^2/3, over the recent answers.
+        mean = statistics.fmean(p + o / 2 for p, o in self._answers)
+        square = statistics.fmean(p * p + p * o + o * o / 3 for p, o in self._answers)
+        spread = Z * math.sqrt(max(0.0, square - mean * mean))
+        cache = KV_FULL * load.kv_tokens
+        root = (-spread + math.sqrt(spread * spread + 4 * mean * cache)) / (2 * mean)  # sqrt(N)
+        return int(root * root) - at_server
 
     def _grow(self, load: Load) -> tuple[int, str]:
         if load.kv_usage is not None and load.kv_usage >= KV_EASY:
