@@ -86,7 +86,7 @@ GresTypes=gpu
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
-SchedulerParameters=batch_sched_delay=0
+SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=2
 SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=30

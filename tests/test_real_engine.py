@@ -86,10 +86,17 @@ def seen(workers, text: str) -> int:
     return sum(log_of(w).count(text) for w in workers)
 
 
-# Its waits: the engine's starts (2 x 60 s), 5 x 120 s for records and jobs in flight, a worker's
-# drain (30 s), 60 + 60 s for the engine's death and stop to show, 240 s for every record, and
-# 3 x 60 s for the roles to stop.
-@pytest.mark.timeout(1500)
+def gate_up(worker) -> bool:
+    """The worker's server gate is open: it last said it serves the engine, or that it is up
+    again, not that it looks down (worker/gate.py's lines)."""
+    log = log_of(worker)
+    return max(log.rfind(" serving http"), log.rfind(" is up again")) > log.rfind(" looks down")
+
+
+# Its waits: the engine's starts (2 x 60 s), 6 x 120 s for records and jobs in flight, a worker's
+# drain (30 s), 60 s for the engine's death to show, 120 s for the gates to open again, 150 s for
+# its stop to show, 240 s for every record, and 3 x 60 s for the roles to stop.
+@pytest.mark.timeout(1800)
 def test_kills_on_a_real_engine_lose_and_repeat_nothing(procs, llama_model, out, tmp_path):
     """Worker SIGKILL and SIGTERM, collector SIGKILL, the engine SIGKILLed and restarted, the
     engine SIGSTOPped past the request deadline then SIGCONTed, each with requests in flight:
@@ -143,8 +150,11 @@ def test_kills_on_a_real_engine_lose_and_repeat_nothing(procs, llama_model, out,
         server.start()
         at(700)
         assert server.proc is not None
-        # SIGSTOP: every request in flight hangs past its 3 s deadline. Until the workers see the
-        # engine down, not only requests timing out (a loaded machine times some out anyway).
+        # SIGSTOP: every request in flight hangs past its 3 s deadline. Sent by workers that see
+        # the engine up (a gate still closed since the restart sends nothing to hang), until they
+        # see it down, not only requests timing out (a loaded machine times some out anyway).
+        wait_until(lambda: all(map(gate_up, workers)), 120, "both workers to see the engine up again")
+        at(750)
         down, timeouts = seen(workers, "looks down"), seen(workers, "failed: timeout")
         os.kill(server.proc.pid, signal.SIGSTOP)
 
@@ -153,8 +163,12 @@ def test_kills_on_a_real_engine_lose_and_repeat_nothing(procs, llama_model, out,
 
         # Each timed-out send first asks /health, which the stopped engine leaves hanging for its
         # 30 s timeout (genq/backends/base.py HEALTH_TIMEOUT_S): 3 s + 30 s before the first
-        # verdict, twice over on a loaded machine (60 s was seen to fall short in CI).
-        wait_until(hung, 150, "requests to time out and a worker to see the stopped engine down")
+        # verdict, twice over on a loaded machine.
+        try:
+            wait_until(hung, 150, "requests to time out and a worker to see the stopped engine down")
+        except AssertionError as exc:
+            tails = "\n".join(f"--- {w.log_path}\n{log_of(w)[-3000:]}" for w in workers)
+            raise AssertionError(f"{exc}\n{tails}") from None
         os.kill(server.proc.pid, signal.SIGCONT)
         finish_run(procs, "kills", len(prompts), 240, *workers, collector)
         _check_exact(out, "kills", prompts, server.url)
