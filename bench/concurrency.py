@@ -103,12 +103,16 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="a third of the jobs")
     parser.add_argument("--profile", action="append", choices=PROFILES, help="only these (repeatable)")
+    parser.add_argument(
+        "--concurrency", action="append", help="only these settings, e.g. auto or 64 (repeatable)"
+    )
     args = parser.parse_args()
     configs = [
         Config(f"{name}-c{c}", flags, 1, c, jobs // 3 if args.quick else jobs, max_new, name)
         for name, (flags, max_new, jobs) in PROFILES.items()
         if not args.profile or name in args.profile
         for c in CONCURRENCIES
+        if not args.concurrency or str(c) in args.concurrency
     ]
 
     def interrupted(signum: int, frame: object) -> None:

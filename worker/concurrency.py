@@ -189,16 +189,18 @@ class Concurrency:
 
     def _room_steady(self, load: Load, at_server: int) -> int | None:
         """How many more jobs like the recent answers the KV cache holds beyond those at the server
-        now, in steady state: N jobs at uniformly spread stages of their output hold on average N
-        times (prompt + output / 2), with a standard deviation of sqrt(N) times one job's; the
-        largest N whose mean plus Z deviations fits KV_FULL of the cache. None until the capacity
-        and answers are known."""
+        now, in steady state: N running jobs, each at a uniformly spread stage of its output and
+        each answer as likely to be running as it is long, hold on average N times one job's mean,
+        with a standard deviation of sqrt(N) times one job's; the largest N whose mean plus Z
+        deviations fits KV_FULL of the cache. None until the capacity and answers are known."""
         if not load.kv_tokens or not self._answers:
             return None
         # One job at a uniform stage u of its output holds p + u*o: mean p + o/2, and
-        # E[(p + u*o)^2] = p^2 + p*o + o^2/3, over the recent answers.
-        mean = statistics.fmean(p + o / 2 for p, o in self._answers)
-        square = statistics.fmean(p * p + p * o + o * o / 3 for p, o in self._answers)
+        # E[(p + u*o)^2] = p^2 + p*o + o^2/3. A job runs for as long as its output: the jobs
+        # running at any moment are the recent answers weighted by their output (long ones stay).
+        weight = sum(max(1, o) for _, o in self._answers)
+        mean = sum(max(1, o) * (p + o / 2) for p, o in self._answers) / weight
+        square = sum(max(1, o) * (p * p + p * o + o * o / 3) for p, o in self._answers) / weight
         spread = Z * math.sqrt(max(0.0, square - mean * mean))
         cache = KV_FULL * load.kv_tokens
         root = (-spread + math.sqrt(spread * spread + 4 * mean * cache)) / (2 * mean)  # sqrt(N)
