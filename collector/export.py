@@ -310,20 +310,16 @@ def recorded_template(folder: Path) -> ChatTemplate | None:
     name = settings.prompting.get("tokenizer") if settings else None
     if not isinstance(name, str):
         return None
-    kwargs = settings.prompting.get("chat_template_kwargs")
-    try:
-        template = ChatTemplate(name, kwargs if isinstance(kwargs, dict) else None)
+    spec = {
+        "tokenizer": name,
+        "kwargs": settings.prompting.get("chat_template_kwargs") or {},
+        "fingerprint": settings.prompting.get("chat_template"),
+    }
+    try:  # the worker's own check: the template enqueue hashed, or none
+        return ChatTemplate.from_spec(spec, settings.prompting)
     except TemplateError as exc:
         click.echo(f"{folder.name}: the dataset's tokenizer is not usable here: {exc}", err=True)
         return None
-    if template.fingerprint != settings.prompting.get("chat_template"):
-        click.echo(
-            f"{folder.name}: the dataset's tokenizer {name} here has another chat template than at "
-            "enqueue: not used; pass --tokenizer to render with it anyway",
-            err=True,
-        )
-        return None
-    return template
 
 
 @click.command("export")
