@@ -12,9 +12,13 @@ from pathlib import Path
 import orjson
 
 
-def write_prompts(path: Path, n: int) -> list[list[int]]:
-    """Pre-tokenized prompts of 4..39 tokens (like tests/helpers.write_prompts); their ids."""
-    prompts = [[100 + (i * 7 + j * 13) % 30000 for j in range(4 + i % 36)] for i in range(n)]
+def write_prompts(path: Path, n: int, vocabulary: list[list[int]] | None = None) -> list[list[int]]:
+    """Pre-tokenized prompts: of 4..39 tokens (like tests/helpers.write_prompts), or ``vocabulary``'s
+    prompts cycled through (a real engine's token ids); their ids."""
+    if vocabulary:
+        prompts = [vocabulary[i % len(vocabulary)] for i in range(n)]
+    else:
+        prompts = [[100 + (i * 7 + j * 13) % 30000 for j in range(4 + i % 36)] for i in range(n)]
     with path.open("wb") as fh:
         for i, ids in enumerate(prompts):
             fh.write(orjson.dumps({"id": f"src-{i}", "input_ids": ids}) + b"\n")

@@ -2,19 +2,25 @@
 
     python bench/concurrency.py            # 3 profiles x (16, 64, 256, 1024, auto), ~25 minutes
     python bench/concurrency.py --quick    # a third of the jobs
+    python bench/concurrency.py --engine all --engines-only   # the real engines (~N minutes)
 
 Each row is one worker on a fresh simulator whose KV cache over-admits and retracts when full
 (sim/scheduler.py), every process real (bench/throughput.py's run_once). Columns: completion
 tokens/s, waste (tokens recomputed because of retractions, paid for twice, per completion token),
 each job's latency (p50, p99, from the records), and for auto its ratios to the best fixed
 setting of the profile (the goal of issue 27: >= 0.97x tok/s, <= 1 % waste, <= 1.2x p99).
+With ``--engine``, the same sweep (from 4 in flight) on the real engines' tiny CPU models, each
+server started once for its sweep: llama.cpp with 4 and with 16 slots, SGLang with a 4,096-token
+KV cache, vLLM with 64 sequences; there "retracted" is the engine's own count (SGLang
+sglang:num_retracted_reqs, vLLM vllm:num_preemptions_total) and waste is not measured.
 Speed is measured here, never asserted in tests. Results also go to
-bench/results/concurrency.json.
+bench/results/concurrency.json (concurrency-engines.json with --engines-only).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
 import signal
@@ -31,7 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import kill_children, machine  # noqa: E402
-from bench.throughput import Config, console, run_once  # noqa: E402
+from bench.real_engine import bare, engine_server  # noqa: E402
+from bench.throughput import Config, Engine, console, run_once  # noqa: E402
+from genq.backends.load import prometheus  # noqa: E402
 from genq.commands.embedded import EmbeddedRedis  # noqa: E402
 
 FAST = ("--latency", "realistic", "--decode-step-ms", "4", "--batch-knee", "64")
@@ -42,6 +50,18 @@ PROFILES = {
     "mixed": ((*FAST, "--kv-tokens", "40000", "--min-len", "16", "--max-len", "512"), 512, 1800),
 }
 CONCURRENCIES: tuple[int | str, ...] = (16, 64, 256, 1024, "auto")
+# The real engines on their tiny CPU models (bench/real_engine.py's servers, these flags after the
+# tests'): name: (engine, server flags, max_new_tokens, jobs). SGLang's KV cache is cut to 4,096
+# tokens so that its scheduler, not the CPU alone, bounds the batch; vLLM runs 64 sequences at most.
+ENGINES = {
+    "llamacpp-parallel-4": ("llamacpp", ("--parallel", "4"), 64, 1500),
+    "llamacpp-parallel-16": ("llamacpp", ("--parallel", "16"), 64, 3000),
+    "sglang": ("sglang", ("--max-total-tokens", "4096", "--enable-metrics"), 128, 800),
+    "vllm": ("vllm", ("--max-num-seqs", "64"), 128, 800),
+}
+ENGINE_CONCURRENCIES: tuple[int | str, ...] = (4, 16, 64, 256, 1024, "auto")
+# Each engine's count of requests it took back from a full KV cache, on its /metrics.
+PREEMPTIONS = {"sglang": "sglang:num_retracted_reqs", "vllm": "vllm:num_preemptions_total"}
 
 
 def sim_stats(url: str) -> dict:
@@ -50,9 +70,58 @@ def sim_stats(url: str) -> dict:
     return {"retracted": stats["retracted"], "recomputed_tokens": stats["recomputed_tokens"]}
 
 
-def waste(m: dict) -> float:
-    """Tokens recomputed (retracted or preempted, paid for twice) per completion token."""
+def preemptions(engine: str, url: str) -> int | None:
+    """The engine's retractions/preemptions since it started; None for llama.cpp (fixed slots, it
+    never takes a request back)."""
+    if engine not in PREEMPTIONS:
+        return None
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return int(prometheus(text, [PREEMPTIONS[engine]]).get(PREEMPTIONS[engine], 0))
+
+
+def waste(m: dict) -> float | None:
+    """Tokens recomputed (retracted or preempted, paid for twice) per completion token; None on a
+    real engine, which does not count them (its retractions are in their own column)."""
+    if m.get("recomputed_tokens") is None:
+        return None
     return m["recomputed_tokens"] / max(1, m["completion_tokens"])
+
+
+def progress(res: dict) -> str:
+    """One run's line as it ends."""
+    recomputed = "" if res["recomputed_tokens"] is None else f"{res['recomputed_tokens']} recomputed, "
+    rate = f"{res['wall_s']:.1f} s, {res['completion_tok_per_s']:.0f} tok/s"
+    return f"{rate}, {recomputed}{res['log_issues']} log issues"
+
+
+def run_engine(
+    name: str, settings: list[int | str], quick: bool, server: EmbeddedRedis, work: Path, children: list
+) -> dict[str, dict]:
+    """Every setting on one real server, started once for them all."""
+    engine, flags, max_new, jobs = ENGINES[name]
+    jobs = jobs // 3 if quick else jobs
+    results = {}
+    folder = work / name
+    folder.mkdir()
+    with engine_server(engine, folder, *flags) as (url, make_prompts):
+        vocabulary = make_prompts(jobs)
+        # Warm up (first requests compile and allocate), outside the measured runs.
+        asyncio.run(bare(engine, url, vocabulary[:64], max_new, 16))
+        for c in settings:
+            cfg = Config(f"{name}-c{c}", (), 1, c, jobs, max_new, name)
+            before = preemptions(engine, url)
+
+            def measure(url: str, before: int | None = before) -> dict:
+                after = preemptions(engine, url)
+                taken_back = None if after is None or before is None else after - before
+                return {"retracted": taken_back, "recomputed_tokens": None}
+
+            console.print(f"{cfg.name}: {cfg.jobs} jobs ...", end=" ")
+            res = run_once(cfg, server, work, children, measure, Engine(url, None, vocabulary))
+            console.print(progress(res))
+            results[cfg.name] = {"config": cfg.__dict__, "median": res, "runs": [res]}
+    return results
 
 
 def print_table(results: dict[str, dict]) -> None:
@@ -73,7 +142,7 @@ def print_table(results: dict[str, dict]) -> None:
             ]
             if fixed:
                 best = max(fixed, key=lambda f: f["completion_tok_per_s"])
-                clean = [f for f in fixed if waste(f) <= 0.01]
+                clean = [f for f in fixed if (waste(f) or 0) <= 0.01]
                 parts = [
                     f"{m['completion_tok_per_s'] / best['completion_tok_per_s']:.2f}x tok/s, "
                     f"{m['latency_p99_s'] / best['latency_p99_s']:.2f}x p99"
@@ -88,8 +157,8 @@ def print_table(results: dict[str, dict]) -> None:
             str(cfg["concurrency"]),
             str(cfg["jobs"]),
             f"{m['completion_tok_per_s']:.0f}",
-            f"{waste(m):.1%}",
-            f"{m['retracted']:.0f}",
+            "-" if (w := waste(m)) is None else f"{w:.1%}",
+            "-" if m["retracted"] is None else f"{m['retracted']:.0f}",
             f"{m['latency_p50_s']:.2f}",
             f"{m['latency_p99_s']:.2f}",
             versus,
@@ -104,13 +173,20 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a third of the jobs")
     parser.add_argument("--profile", action="append", choices=PROFILES, help="only these (repeatable)")
     parser.add_argument(
+        "--engine",
+        action="append",
+        choices=[*ENGINES, "all"],
+        help="also these real engines (repeatable; all: every one)",
+    )
+    parser.add_argument("--engines-only", action="store_true", help="no simulator profiles")
+    parser.add_argument(
         "--concurrency", action="append", help="only these settings, e.g. auto or 64 (repeatable)"
     )
     args = parser.parse_args()
     configs = [
         Config(f"{name}-c{c}", flags, 1, c, jobs // 3 if args.quick else jobs, max_new, name)
         for name, (flags, max_new, jobs) in PROFILES.items()
-        if not args.profile or name in args.profile
+        if not args.engines_only and (not args.profile or name in args.profile)
         for c in CONCURRENCIES
         if not args.concurrency or str(c) in args.concurrency
     ]
@@ -129,11 +205,12 @@ def main() -> int:
         for cfg in configs:
             console.print(f"{cfg.name}: {cfg.jobs} jobs ...", end=" ")
             res = run_once(cfg, server, work, children, sim_stats)
-            console.print(
-                f"{res['wall_s']:.1f} s, {res['completion_tok_per_s']:.0f} tok/s, "
-                f"{res['recomputed_tokens']} recomputed, {res['log_issues']} log issues"
-            )
+            console.print(progress(res))
             results[cfg.name] = {"config": cfg.__dict__, "median": res, "runs": [res]}
+        engines = list(ENGINES) if "all" in (args.engine or ()) else args.engine or []
+        settings = [c for c in ENGINE_CONCURRENCIES if not args.concurrency or str(c) in args.concurrency]
+        for name in engines:
+            results.update(run_engine(name, settings, args.quick, server, work, children))
     except KeyboardInterrupt:
         console.print("\ninterrupted")
         return 130
@@ -142,7 +219,8 @@ def main() -> int:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
     print_table(results)
-    dest = Path(__file__).resolve().parent / "results" / "concurrency.json"
+    name = "concurrency-engines.json" if args.engines_only else "concurrency.json"
+    dest = Path(__file__).resolve().parent / "results" / name
     dest.write_text(
         json.dumps({"machine": machine(), "quick": args.quick, "results": results}, indent=2) + "\n"
     )

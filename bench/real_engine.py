@@ -140,17 +140,20 @@ def run_genq(engine: str, url: str, data: Path, work: Path, n_predict: int, conc
 
 
 @contextlib.contextmanager
-def engine_server(engine: str, work: Path) -> Iterator[tuple[str, list[list[int]]]]:
-    """(the server's URL, prompts of its tiny vocabulary) while the server runs."""
+def engine_server(
+    engine: str, work: Path, *flags: str
+) -> Iterator[tuple[str, Callable[[int], list[list[int]]]]]:
+    """(the server's URL, prompts of its tiny vocabulary) while the server runs, started with the
+    tests' flags and then ``flags`` (the last of a repeated flag wins in each engine)."""
     if engine == "llamacpp":
         model, _ = write_model(work)
-        server: LlamaServer | EngineServer = LlamaServer(server_binary(), model, work / "server.log")
+        server: LlamaServer | EngineServer = LlamaServer(server_binary(), model, work / "server.log", *flags)
         prompts = partial(tiny_prompts, seed=7)
     else:
         python = engine_python(engine)
         model = write_tiny_model(python, work / "model")
         start = sglang_server if engine == "sglang" else vllm_server
-        server = start(python, model, work / "server.log")
+        server = start(python, model, work / "server.log", *flags)
         prompts = partial(hf_prompts, seed=7)
     server.start()
     try:

@@ -50,6 +50,16 @@ console = Console(width=max(shutil.get_terminal_size().columns, 132))
 
 
 @dataclass(frozen=True)
+class Engine:
+    """A real server already running, for run_once instead of a simulator."""
+
+    url: str
+    pid: int | None  # its process, for the CPU column
+    prompts: list[list[int]]  # token ids of its vocabulary, cycled through
+    worker_flags: tuple[str, ...] = ()  # e.g. ("--backend", "sglang")
+
+
+@dataclass(frozen=True)
 class Config:
     name: str
     sim_flags: tuple[str, ...]
@@ -102,9 +112,11 @@ def run_once(
     work: Path,
     children: list[subprocess.Popen],
     measure_sim: Callable[[str], dict] | None = None,
+    engine: Engine | None = None,
 ) -> dict:
-    """One configuration end to end in a fresh namespace and simulator; its measurements (with
-    ``measure_sim``'s of the simulator's URL, taken before it stops)."""
+    """One configuration end to end in a fresh namespace and simulator (or on ``engine``, a real
+    server already running); its measurements (with ``measure_sim``'s of the server's URL, taken
+    when the run ends, before a simulator stops)."""
     # A unique dataset name too, not only a namespace: RQ job ids are "<dataset>-<row>" with no
     # namespace, so a second run of dataset "bench" inherits the 60 s expiry of the previous
     # run's finished job hashes and those jobs silently vanish (a genq bug).
@@ -121,14 +133,18 @@ def run_once(
         children.append(proc)
         return proc
 
-    with open(logs / "sim.log", "wb") as fh:
-        sim = spawn(
-            genq_command("sim-server", "--port", "0", *cfg.sim_flags), stdout=subprocess.PIPE, stderr=fh
-        )
-    children.append(sim)
-    server = wait_for_line(sim, "sim-server listening on ", 30).rsplit(" ", 1)[1]
+    sim: subprocess.Popen | None = None
+    if engine is None:
+        with open(logs / "sim.log", "wb") as fh:
+            sim = spawn(
+                genq_command("sim-server", "--port", "0", *cfg.sim_flags), stdout=subprocess.PIPE, stderr=fh
+            )
+        children.append(sim)
+        server = wait_for_line(sim, "sim-server listening on ", 30).rsplit(" ", 1)[1]
+    else:
+        server = engine.url
     prompts = run_dir / "prompts.jsonl"
-    write_prompts(prompts, cfg.jobs)
+    write_prompts(prompts, cfg.jobs, None if engine is None else engine.prompts)
     argv = genq_command(
         "enqueue", str(prompts), "--dataset", dataset, "--max-new-tokens", str(cfg.max_new_tokens)
     )
@@ -147,18 +163,22 @@ def run_once(
         time.sleep(0.05)
 
     assert redis.proc is not None
-    sim_cpu0, redis_cpu0 = cpu_s(sim.pid), cpu_s(redis.proc.pid)
+    server_pid = sim.pid if sim is not None else engine.pid if engine is not None else None
+    sim_cpu0, redis_cpu0 = cpu_s(server_pid) if server_pid else 0.0, cpu_s(redis.proc.pid)
+    worker_flags = ("--concurrency", str(cfg.concurrency), *(engine.worker_flags if engine else ()))
     t0 = time.monotonic()
     workers = [
-        start(f"worker-{i}", "worker", "--server", server, "--burst", "--concurrency", str(cfg.concurrency))
+        start(f"worker-{i}", "worker", "--server", server, "--burst", *worker_flags)
         for i in range(cfg.workers)
     ]
     cpu = reap([*workers, collector], t0 + TIMEOUT_S)
     wall = time.monotonic() - t0
-    sim_cpu, redis_cpu = cpu_s(sim.pid) - sim_cpu0, cpu_s(redis.proc.pid) - redis_cpu0
+    sim_cpu = cpu_s(server_pid) - sim_cpu0 if server_pid else 0.0
+    redis_cpu = cpu_s(redis.proc.pid) - redis_cpu0
     of_sim = measure_sim(server) if measure_sim is not None else {}
-    sim.kill()
-    sim.wait(10)
+    if sim is not None:
+        sim.kill()
+        sim.wait(10)
     bad = {f"{p.args[3]}-{p.pid}": p.returncode for p in [*workers, collector] if p.returncode != 0}
     if bad:
         raise RuntimeError(f"non-zero exits {bad}; logs in {logs}")
