@@ -44,8 +44,9 @@ log = logging.getLogger("genq.worker")
 @option(
     "--concurrency",
     type=ConcurrencyParam(),
-    default=128,
-    help="Jobs in flight in this process; auto: steered by the server's load, up to --max-concurrency.",
+    default=AUTO,
+    help="Jobs in flight in this process; auto: steered by the server's load, up to --max-concurrency "
+    "(docs/design.md decision 16); a number: that many, fixed.",
 )
 @option(
     "--max-concurrency",
@@ -132,7 +133,7 @@ def worker_command(
         server=split_credentials(server)[0],  # the password goes to Http only: config.server is shown
         backend=backend,
         model=model,
-        **({"auto": True} if concurrency == AUTO else {"concurrency": concurrency}),
+        concurrency=None if concurrency == AUTO else concurrency,
         max_concurrency=max_concurrency,
         max_attempts=max_attempts,
         max_spared=max_spared,

@@ -84,7 +84,7 @@ class Concurrency:
     @classmethod
     def of(cls, config: WorkerConfig) -> Concurrency:
         """--concurrency N: N, never moved; auto: from START, between FLOOR and the ceiling."""
-        if not config.auto:
+        if config.concurrency is not None:
             return cls(config.concurrency, config.concurrency, config.concurrency)
         floor = min(FLOOR, config.ceiling)
         return cls(max(floor, min(START, config.ceiling)), floor, config.ceiling, auto=True, reason="start")

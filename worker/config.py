@@ -16,8 +16,9 @@ class WorkerConfig:
     server: str
     backend: str = "auto"  # an engine API of genq/backends, or auto: ask the server
     model: str | None = None  # the model to ask for, where the server serves several
-    concurrency: int = 128  # jobs in flight, fixed; the ceiling's default under auto is max_concurrency
-    auto: bool = False  # --concurrency auto: worker/concurrency.py steers it by the server's load
+    # --concurrency N: N jobs in flight, fixed; None (auto, the default): worker/concurrency.py
+    # steers it by the server's load, up to max_concurrency.
+    concurrency: int | None = None
     max_concurrency: int = 1024
     max_attempts: int = 5
     # Sends the server failed while it served no other job, spared per job (decision 7's bound).
@@ -35,9 +36,14 @@ class WorkerConfig:
     down_after: int = 3
 
     @property
+    def auto(self) -> bool:
+        """--concurrency auto: the target moves with the server's load."""
+        return self.concurrency is None
+
+    @property
     def ceiling(self) -> int:
         """The most jobs ever in flight: the connection pool's size."""
-        return self.max_concurrency if self.auto else self.concurrency
+        return self.max_concurrency if self.concurrency is None else self.concurrency
 
     @staticmethod
     def prefetch(target: int) -> int:

@@ -153,16 +153,16 @@ class Worker:
             return  # stopped while waiting for the server
         await self.redis(self.books.start, {k: str(v) for k, v in info.summary().items() if v is not None})
         log.info(
-            "worker %s: serving %s (%s%s %s, model %s) with %s in flight at most",
+            "worker %s: serving %s (%s%s %s, model %s) with %s",
             self.books.name,
             self.config.server,
             info.backend,
             " detected" if self.config.backend == "auto" else "",
             info.version or "?",
             info.model or "?",
-            f"{self.concurrency.target} to {self.config.ceiling}, steered by its load"
+            f"{self.concurrency.target} in flight at first, up to {self.config.ceiling}, steered by its load"
             if self.config.auto
-            else self.config.concurrency,
+            else f"{self.config.concurrency} in flight at most",
             extra={**self.books.log_context(), "server": self.config.server},
         )
         for note in info.notes:

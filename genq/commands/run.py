@@ -36,7 +36,7 @@ from genq.schema import REJECTS
 from genq.settings import DEFAULT_NAMESPACE, option, redis_options
 from genq.terminal import duration
 from producer.cli import EXIT_REJECTED, enqueue_command  # `genq run` is the roles together, as genq is
-from worker.config import ConcurrencyParam
+from worker.config import AUTO, ConcurrencyParam
 
 STOP_S = 30.0  # how long a child may take to stop (a worker's drain) before it is killed
 
@@ -114,7 +114,7 @@ def enqueue_argv(ctx: click.Context) -> list[str]:
 @option(
     "--concurrency",
     type=ConcurrencyParam(),
-    default=128,
+    default=AUTO,
     help="Jobs in flight per worker; auto: each steers by the server's load (worker --max-concurrency).",
 )
 @option(
