@@ -7,10 +7,12 @@ takes it. Any other error reply (WRONGTYPE, a syntax error, NOPERM, ...) is a bu
 misconfiguration that waiting will not fix: it still fails loudly.
 
 redis-py (redis/_parsers/base.py, ``EXCEPTION_CLASSES``) turns some error codes into classes of
-their own and keeps the code in ``status_code`` (OutOfMemoryError "OOM", ReadOnlyError
-"READONLY", BusyLoadingError "LOADING", NoScriptError "NOSCRIPT", TryAgainError, MasterDownError)
-and strips it from the message; the rest (MISCONF, BUSY) come as a plain ResponseError whose text
-starts with the code. A command refused inside MULTI/EXEC comes annotated by the pipeline
+their own (OutOfMemoryError "OOM", ReadOnlyError "READONLY", BusyLoadingError "LOADING",
+NoScriptError "NOSCRIPT", ExecAbortError, in newer versions TryAgainError, MasterDownError) and strips
+the code from the message; the rest (MISCONF, BUSY) come as a plain ResponseError whose text
+starts with the code. redis-py 8 keeps the code in ``status_code`` too, also for the codes it
+leaves in the text; 5.x has no ``status_code``, so the class says the code (``_CODES``).
+A command refused inside MULTI/EXEC comes annotated by the pipeline
 ("Command # 1 (...) of pipeline caused error: ...", redis/client.py ``annotate_exception``), a
 transaction Redis refused at EXEC as "EXECABORT Transaction discarded because of: OOM ...", and
 an error raised inside a Lua script (Redis < 7) as "Error running script ...: -OOM ...". A
@@ -44,6 +46,15 @@ NOT_NOW = {
     "MASTERDOWN": "Redis has lost its primary",  # a replica with replica-serve-stale-data no
     "NOSCRIPT": "Redis has lost genq's scripts",  # SCRIPT FLUSH, or a restart without persistence
 }
+# The classes redis-py raises for a code it strips from the text (those of every version allowed).
+_CODES = (
+    (redis.exceptions.OutOfMemoryError, "OOM"),
+    (redis.exceptions.ReadOnlyError, "READONLY"),
+    (redis.exceptions.NoScriptError, "NOSCRIPT"),
+    (redis.exceptions.ExecAbortError, "EXECABORT"),
+    (redis.exceptions.TryAgainError, "TRYAGAIN"),
+    (redis.exceptions.MasterDownError, "MASTERDOWN"),
+)
 _PIPELINE = re.compile(r"^Command # \d+ \(.*\) of pipeline caused error: ", re.DOTALL)
 _ABORTED = "Transaction discarded because of: "  # Redis's execCommandAbort: the reason follows
 _SCRIPT_AT = re.compile(r"\.? script: \w+, on @user_script:\d+\.$")  # Redis 7 names the script
@@ -115,7 +126,7 @@ def refusing_writes(info: dict[str, Any]) -> str | None:
 def _reply(exc: redis.ResponseError) -> tuple[str, str]:
     """The error code and the rest of the reply, wherever redis-py put them."""
     text = _PIPELINE.sub("", str(exc), count=1)
-    code = exc.status_code or ""
+    code = getattr(exc, "status_code", None) or next((c for cls, c in _CODES if isinstance(exc, cls)), "")
     if code == "EXECABORT" and text.startswith(_ABORTED):
         code, _, text = text[len(_ABORTED) :].partition(" ")
     elif not code:
@@ -124,6 +135,8 @@ def _reply(exc: redis.ResponseError) -> tuple[str, str]:
             code, text = script.group(1), text[script.end() :]
         else:
             code, _, text = text.partition(" ")
+    elif text.startswith(f"{code} "):  # redis-py 8: a code without a class of its own stays in the text
+        text = text[len(code) + 1 :]
     return code, text
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -35,6 +36,48 @@ def need(tool: str) -> str:
             pytest.fail(f"{tool} is not installed (.ci/run installs it)")
         pytest.skip(f"{tool} is not installed")
     return path
+
+
+def pinned_env(package: str, version: str) -> dict[str, str]:
+    """The environment that runs this suite with ``package`` at ``version`` in place of the one
+    installed: that version installed once (its wheel alone, no dependencies) under ~/.cache/genq
+    and put first on the path; the installed one when it is that version. pyproject.toml admits a
+    range; the oldest and newest of it are both checked this way. Without PyPI the test skips, in
+    CI it fails."""
+    from importlib.metadata import version as installed
+
+    if installed(package) == version:
+        return dict(os.environ)
+    root = Path(os.environ.get("GENQ_ENGINE_CACHE") or Path.home() / ".cache" / "genq")
+    target = root / f"{package}-{version}-py{sys.version_info[0]}.{sys.version_info[1]}"
+    if not (target / package).is_dir():
+        building = root / f"{target.name}.{os.getpid()}.tmp"
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(building)]
+        res = subprocess.run([*pip, f"{package}=={version}"], capture_output=True, text=True, timeout=240)
+        if res.returncode != 0:
+            if os.environ.get("CI"):
+                pytest.fail(f"pip could not install {package}=={version}: {res.stderr}")
+            pytest.skip(f"pip could not install {package}=={version}")
+        with contextlib.suppress(OSError):  # another run finished it first
+            building.rename(target)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")])}
+    probe = f"from importlib.metadata import version; print(version({package!r}))"
+    got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert got.stdout.strip() == version, got.stderr
+    return env
+
+
+def run_tests_in(env: dict[str, str], tmp_path: Path, module: str, select: str) -> None:
+    """The fast tests of ``module`` that ``select`` (pytest -k) picks, run in ``env``; they pass."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", module]
+        + ["-k", select, "--basetemp", str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]  # 5: none collected
 
 
 def dump_dom(url: str, profile) -> str:

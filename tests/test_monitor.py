@@ -82,6 +82,9 @@ def test_monitor_says_redis_is_unreachable_and_quits_cleanly_on_ctrl_c(procs):
         stdin=terminal,
         stdout=terminal,
         stderr=terminal,
+        # A terminal's foreground job takes Ctrl-C; CI may start the suite in the background,
+        # where SIGINT is ignored and stays ignored across exec (Python then installs no handler).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     os.close(terminal)
     screen = bytearray()

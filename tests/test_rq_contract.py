@@ -8,7 +8,6 @@ other major (OTHER_RQ, installed once into a cache outside the clone).
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import check_records, log_of, status_json, wait_until, write_prompts
+from tests.helpers import (
+    check_records,
+    log_of,
+    pinned_env,
+    run_tests_in,
+    status_json,
+    wait_until,
+    write_prompts,
+)
 
 RQ = str(Path(sys.executable).parent / "rq")
 # The RQ each supported major is checked against when the other one is installed.
@@ -654,44 +661,13 @@ def test_a_job_genq_cannot_read_is_failed_through_rqs_own_code(conn, namespace):
 
 
 def _rq_env(version: str) -> dict[str, str]:
-    """The environment that runs RQ ``version``: the installed one, or that version installed once
-    (one wheel, no dependencies: both majors need only redis, click and croniter) under
-    ~/.cache/genq and put first on the path. Without PyPI the test skips, in CI it fails."""
-    import rq
-
-    if version == rq.VERSION:
-        return dict(os.environ)
-    root = Path(os.environ.get("GENQ_ENGINE_CACHE") or Path.home() / ".cache" / "genq")
-    target = root / f"rq-{version}-py{sys.version_info[0]}.{sys.version_info[1]}"
-    if not (target / "rq").is_dir():
-        building = root / f"{target.name}.{os.getpid()}.tmp"
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(building)]
-        res = subprocess.run([*pip, f"rq=={version}"], capture_output=True, text=True, timeout=240)
-        if res.returncode != 0:
-            if os.environ.get("CI"):
-                pytest.fail(f"pip could not install rq=={version}: {res.stderr}")
-            pytest.skip(f"pip could not install rq=={version}")
-        with contextlib.suppress(OSError):  # another run finished it first
-            building.rename(target)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")])}
-    got = subprocess.run(
-        [sys.executable, "-c", "import rq; print(rq.VERSION)"], env=env, capture_output=True, text=True
-    )
-    assert got.stdout.strip() == version, got.stderr
-    return env
+    """The environment that runs RQ ``version`` (both majors need only redis, click and croniter)."""
+    return pinned_env("rq", version)
 
 
 def _run_here(env: dict[str, str], tmp_path: Path, select: str) -> None:
     """This module's fast tests that ``select`` (pytest -k) picks, run in ``env``."""
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", __file__]
-        + ["-k", select, "--basetemp", str(tmp_path / "run")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]  # 5: none collected
+    run_tests_in(env, tmp_path, __file__, select)
 
 
 def test_the_contract_holds_on_the_other_rq_major(tmp_path):
