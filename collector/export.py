@@ -36,8 +36,8 @@ import orjson
 
 from genq import datasets, openai_batch
 from genq.schema import ERRORS, EXPORTS, RAW
-from genq.settings import option
-from genq.templates import ChatTemplate, TemplateError
+from genq.settings import Refused, option
+from genq.templates import ChatTemplate, RemoteCodeRefused, TemplateError
 
 SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
 
@@ -64,6 +64,7 @@ class _View:
     finish: str | None
     loss_mask: list[int] | None = None  # a pre-tokenized row: already in eagle3 shape
     turns: list[dict[str, Any]] | None = None  # a conversation regenerated turn by turn
+    tools: list[dict[str, Any]] | None = None  # the functions the prompt offered (rendered with it)
 
 
 def export_dataset(
@@ -186,6 +187,7 @@ def _view(record: dict[str, Any]) -> _View | None:
             record.get("reasoning"),
             record.get("finish_reason"),
             turns=record.get("turns"),
+            tools=record.get("tools"),
         )
     choices = record.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):  # OpenAI chat completion
@@ -261,7 +263,7 @@ def _rendered(view: _View, template: ChatTemplate, reasoning_content: bool) -> d
     the template's reading of the text, not the ids the server sampled."""
     if view.content is None:
         return "no answer after the reasoning (the thought never ended)"
-    rendered = template.assistant_spans(_conversation(view, reasoning_content))
+    rendered = template.assistant_spans(_conversation(view, reasoning_content), view.tools)
     if isinstance(rendered, str):
         return rendered
     ids, mask = rendered
@@ -287,18 +289,19 @@ def _chat(view: _View, fmt: str, reasoning_content: bool) -> dict[str, Any] | st
     if view.content is None:
         return "no answer after the reasoning (the thought never ended)"
     turns = _conversation(view, reasoning_content)
+    tools = {"tools": view.tools} if view.tools else {}
     if fmt == "messages":
-        return {"id": view.id, "messages": turns}
+        return {"id": view.id, "messages": turns, **tools}
     conversations = []
     for turn in turns:
         shared = {"from": SHAREGPT_FROM.get(turn["role"], turn["role"]), "value": turn.get("content")}
         if "reasoning_content" in turn:
             shared["reasoning_content"] = turn["reasoning_content"]
         conversations.append(shared)
-    return {"id": view.id, "conversations": conversations}
+    return {"id": view.id, "conversations": conversations, **tools}
 
 
-def recorded_template(folder: Path) -> ChatTemplate | None:
+def recorded_template(folder: Path, trust_remote_code: bool = False) -> ChatTemplate | None:
     """The chat template of the tokenizer the dataset was enqueued with (its dataset.json, which
     the collector writes), for eagle3 without --tokenizer; None, said in one line, when none was
     recorded usable here."""
@@ -316,7 +319,7 @@ def recorded_template(folder: Path) -> ChatTemplate | None:
         "fingerprint": settings.prompting.get("chat_template"),
     }
     try:  # the worker's own check: the template enqueue hashed, or none
-        return ChatTemplate.from_spec(spec, settings.prompting)
+        return ChatTemplate.from_spec(spec, settings.prompting, trust_remote_code)
     except TemplateError as exc:
         click.echo(f"{folder.name}: the dataset's tokenizer is not usable here: {exc}", err=True)
         return None
@@ -355,6 +358,12 @@ def recorded_template(folder: Path) -> ChatTemplate | None:
     "tokenizer's chat template, loss on every assistant turn; encode prompts sent as plain text "
     "(enqueued without --tokenizer) as the server did.",
 )
+@option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="eagle3: run the tokenizer's own code (Kimi-K2's tokenization_kimi.py), the given one or the "
+    "dataset's: this host's consent.",
+)
 def export_command(
     out_dir: Path,
     fmt: str,
@@ -363,6 +372,7 @@ def export_command(
     reasoning_content: bool,
     include_truncated: bool,
     tokenizer: str | None,
+    trust_remote_code: bool,
 ) -> None:
     """Training files from DIR/<dataset>/raw_responses.jsonl, which is only read.
 
@@ -371,7 +381,13 @@ def export_command(
     included). Records left out are counted with the reason.
     """
     try:
-        given = ChatTemplate(tokenizer) if tokenizer and fmt == "eagle3" else None
+        given = (
+            ChatTemplate(tokenizer, trust_remote_code=trust_remote_code)
+            if tokenizer and fmt == "eagle3"
+            else None
+        )
+    except RemoteCodeRefused as exc:
+        raise Refused(str(exc)) from exc
     except TemplateError as exc:
         raise click.ClickException(str(exc)) from exc
     names = [dataset] if dataset else sorted(p.parent.name for p in out_dir.glob(f"*/{RAW}"))
@@ -382,7 +398,9 @@ def export_command(
         raw = out_dir / name / RAW
         if not raw.is_file():
             raise click.ClickException(f"{raw}: no such file")
-        template = given or (recorded_template(out_dir / name) if fmt == "eagle3" else None)
+        template = given or (
+            recorded_template(out_dir / name, trust_remote_code) if fmt == "eagle3" else None
+        )
         result = export_dataset(
             raw,
             (export_dir or out_dir) / name / EXPORTS[fmt],

@@ -32,6 +32,12 @@ TURN_FIELDS = (
 def check(messages: list[dict[str, Any]]) -> str | None:
     """Why a conversation cannot be regenerated turn by turn, or None."""
     for i, message in enumerate(messages):
+        if message.get("role") == "tool" or message.get("tool_calls"):
+            return (
+                f"turn {i} is tool use: --turns all regenerates dialogues of {', '.join(ROLES)} turns only "
+                "(the model's own calls would need the tools run again); --turns last answers the last "
+                "user turn or tool result with the conversation before it"
+            )
         if message.get("role") not in ROLES:
             return (
                 f"turn {i} has role {message.get('role')!r}: --turns all regenerates dialogues of "

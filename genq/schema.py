@@ -141,6 +141,9 @@ class JobSpec:
     template: dict[str, Any] | None = None  # the chat template the worker renders later turns with
     logprobs: int | None = None  # top-K log-probabilities per output token, stored in logprobs.bin
     batch: dict[str, Any] | None = None  # an OpenAI Batch request's url and model (genq/openai_batch.py)
+    tools: list[dict[str, Any]] | None = None  # the row's function declarations (OpenAI ``tools``)
+    # A chat backend's template switches ({"thinking": false}), sent with the request: the server renders.
+    chat_template_kwargs: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_kwargs(self) -> dict[str, Any]:

@@ -21,6 +21,13 @@ DEFAULT_NAMESPACE = "genq"
 ENV_PREFIX = "GENQ_"
 
 
+class Refused(click.ClickException):
+    """What this host's own settings do not allow (running a tokenizer's code without
+    --trust-remote-code): one line and exit 2, as a usage error, without click's usage block."""
+
+    exit_code = 2
+
+
 def env_name(flag: str) -> str:
     """``--max-new-tokens`` -> ``GENQ_MAX_NEW_TOKENS``."""
     return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()

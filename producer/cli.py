@@ -16,8 +16,8 @@ from genq.connection import HASH_VALUE_LIMIT, connect, redact, wait_for_redis
 from genq.keys import Keys, validate_name
 from genq.sampling import FLAGGED, Sampling, SamplingError, sampling_options
 from genq.sampling import check as check_sampling
-from genq.settings import json_object, option, redis_options
-from genq.templates import ChatTemplate, TemplateError
+from genq.settings import Refused, json_object, option, redis_options
+from genq.templates import ChatTemplate, RemoteCodeRefused, TemplateError
 from producer import thinking
 from producer.context import Limits
 from producer.dry_run import check_files, describe
@@ -82,6 +82,12 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
 )
 @option(
     "--tokenizer", default=None, help="Render prompts with its chat template (a local folder, or the cache)."
+)
+@option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Run the --tokenizer's own code (Kimi-K2's tokenization_kimi.py, ...): this host's consent, "
+    "never taken from Redis.",
 )
 @option(
     "--chat-template-kwargs",
@@ -198,6 +204,7 @@ def enqueue_command(
     fields,
     split,
     tokenizer,
+    trust_remote_code,
     chat_template_kwargs,
     system_prompt,
     turns,
@@ -286,12 +293,14 @@ def enqueue_command(
         raise click.UsageError("--clip-max-new-tokens needs --context-length or --server")
     try:
         paths = sources.expand(list(files))
-        template = ChatTemplate(tokenizer, chat_template_kwargs) if tokenizer else None
+        template = ChatTemplate(tokenizer, chat_template_kwargs, trust_remote_code) if tokenizer else None
         think, special = thinking.resolve(
             reasoning_preset, think_start, think_start_token_id, think_end, think_end_token_id, template
         )
         if template is not None and limits.vocab_size is None:
             limits.vocab_size = len(template.tokenizer)
+    except RemoteCodeRefused as exc:
+        raise Refused(str(exc)) from exc
     except (sources.SourceError, TemplateError) as exc:
         raise click.ClickException(str(exc)) from exc
     except thinking.ThinkError as exc:
@@ -336,6 +345,8 @@ def enqueue_command(
         max_queued=max_queued,
         max_row_bytes=max_row_bytes,
         row_base=row_base,
+        # The server renders (a chat backend): the template's switches go with each request.
+        server_kwargs=chat_template_kwargs if server_renders and chat_template_kwargs else None,
     )
     if dry_run:
         report_dry_run(name, paths, params, sampling.samples, options)

@@ -72,6 +72,9 @@ class Options:
     # What an openai-batch row's own sampling is laid over before it is compared with the dataset's
     # (the command line's settings); None: the dataset's settings.
     row_base: dict[str, Any] | None = None
+    # chat_template_kwargs a chat backend sends with each request (the server renders); with a
+    # tokenizer they are the template's own (template.kwargs).
+    server_kwargs: dict[str, Any] | None = None
 
     def prompting(self) -> dict[str, Any]:
         """The dataset settings (decision 12) these options fix; defaults left out."""
@@ -85,7 +88,9 @@ class Options:
             "logprobs": self.logprobs,
             "tokenizer": self.template.name if self.template else None,
             "chat_template": self.template.fingerprint if self.template else None,
-            "chat_template_kwargs": (self.template.kwargs or None) if self.template else None,
+            "chat_template_kwargs": (self.template.kwargs or None) if self.template else self.server_kwargs,
+            # The tokenizer is code (a worker rendering turns needs its host's consent to run it).
+            "tokenizer_code": (self.template.code or None) if self.template else None,
             "think": self.think,
             "keep_prompt": None if self.keep_prompt else False,
             "clip_max_new_tokens": self.clip or None,
@@ -267,7 +272,7 @@ def _render_held(
     need the model's answers: the worker renders them, and checks its first render against this)."""
     chats = [item for item, _ in held if isinstance(item, Row) and item.prompt.messages is not None]
     shown = [first_turn(i.prompt.messages) if all_turns else i.prompt.messages for i in chats]  # type: ignore[arg-type]
-    rendered = iter(template.render(shown) if chats else [])
+    rendered = iter(template.render(shown, [i.prompt.tools for i in chats]) if chats else [])
     for item, todo in held:
         if isinstance(item, Row) and item.prompt.messages is not None:
             ids = next(rendered)
@@ -394,6 +399,8 @@ class _Pusher:
             logprobs=options.logprobs,
             template=options.template.spec() if options.template and options.shape.turns == "all" else None,
             batch=prompt.batch,
+            tools=prompt.tools,
+            chat_template_kwargs=options.server_kwargs,
         )
         described = f"{settings.name} row {item.row}" + (f" sample {sample}" if settings.samples > 1 else "")
         return self.keys.job_id(spec.id), spec.to_kwargs(), described

@@ -8,8 +8,13 @@
   a conversation, ``/v1/completions`` a text prompt sent as is (no chat template, as that endpoint
   does); its body's sampling fields travel with the prompt, to be checked against the dataset's.
 
-Regeneration semantics for conversations: the conversation up to its last user turn is the prompt;
-what follows (the assistant answers being regenerated) is dropped. ``--system-prompt`` replaces the
+Regeneration semantics for conversations: the conversation up to its last user turn (or the last
+tool result after it: an agentic row is answered where its tool's result came back) is the prompt;
+what follows (the assistant answers being regenerated) is dropped. A row's ``tools`` (OpenAI
+function declarations) go to the chat template and into the record; assistant ``tool_calls`` and
+``tool`` turns are rendered as the template renders them. Content may be a string or a list of
+parts: text parts are joined (as vLLM does for string-content templates), other parts (images,
+audio) refuse the row: genq sends text only. ``--system-prompt`` replaces the
 system turn or adds one. With a tokenizer, text prompts become a one-turn conversation too, so every
 prompt goes through the model's chat template; without one, text is sent as ``text`` and
 conversations are refused (genq never guesses a chat template).
@@ -20,6 +25,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from genq import conversation, openai_batch
 from genq.sampling import SamplingError
@@ -48,6 +55,7 @@ FIELDS = (
     "content",
     "from",
     "value",
+    "tools",
 )
 SHAREGPT_ROLES = {
     "human": "user",
@@ -83,6 +91,7 @@ class Prompt:
     source_id: str | None = None
     sampling: dict[str, Any] | None = None  # an openai-batch row's own sampling (genq's names)
     batch: dict[str, Any] | None = None  # an openai-batch row's url and model, kept in the record
+    tools: list[dict[str, Any]] | None = None  # the row's function declarations, for the template
 
 
 @dataclass(frozen=True)
@@ -127,7 +136,8 @@ class Shape:
             return fmt, Prompt(input_ids=self._ids(data), source_id=source_id)
         if fmt in CHAT_FORMATS:
             turns = self._messages(data) if fmt == "messages" else self._sharegpt(data)
-            return fmt, Prompt(messages=self._chat(data, turns, fmt), source_id=source_id)
+            messages = self._chat(data, turns, fmt)
+            return fmt, Prompt(messages=messages, source_id=source_id, tools=self._tools(data))
         text = self._prompt(data) if fmt == "prompt" else self._instruction(data)
         if self.chat:
             turns = [{"role": "user", "content": text}]
@@ -232,8 +242,17 @@ class Shape:
             text = turn.get(content)
             if content not in turn and not turn.get("tool_calls"):
                 raise RowError(f"{where}.{content}: missing (the turn has {_keys(turn)})")
+            if isinstance(text, list):
+                text = _text_parts(text, f"{where}.{content}")
             if not isinstance(text, str) and not (text is None and turn.get("tool_calls")):
-                raise RowError(f"{where}.{content}: expected a string, got {_type(text)}")
+                raise RowError(
+                    f"{where}.{content}: expected a string or a list of text parts, got {_type(text)}"
+                )
+            calls = turn.get("tool_calls")
+            if calls is not None and not (
+                isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
+            ):
+                raise RowError(f"{where}.tool_calls: expected a list of objects, got {_type(calls)}")
             rest = {k: v for k, v in turn.items() if k not in (role, content)}
             turns.append({"role": turn[role], "content": text, **rest})
         return turns
@@ -266,7 +285,11 @@ class Shape:
         if last_user is None:
             roles = ", ".join(t["role"] for t in turns)
             raise RowError(f"field '{name}': the conversation has no user turn to answer (roles: {roles})")
-        turns = turns[: last_user + 1]
+        # The last turn the assistant answers: the last user turn, or a tool's result after it.
+        last = max(
+            i for i, t in enumerate(turns) if i == last_user or (i > last_user and t["role"] == "tool")
+        )
+        turns = turns[: last + 1]
         system = self.system_prompt
         if system is None:
             system = self._row_system(data)
@@ -275,6 +298,28 @@ class Shape:
         if turns[0]["role"] == "system":
             return [{**turns[0], "content": system}, *turns[1:]]
         return [{"role": "system", "content": system}, *turns]
+
+    def _tools(self, data: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The row's function declarations (OpenAI's ``tools``: ``{"type": "function", "function":
+        {"name", ...}}``), a list or a JSON text of one (as some ShareGPT sets store it); None: none."""
+        name = self.col("tools")
+        tools = data.get(name)
+        if tools is None or tools == [] or tools == "":
+            return None
+        if isinstance(tools, str):
+            try:
+                tools = orjson.loads(tools)
+            except orjson.JSONDecodeError as exc:
+                raise RowError(f"field '{name}': a string that is not JSON ({exc})") from exc
+        if not isinstance(tools, list):
+            raise RowError(f"field '{name}': expected a list of function declarations, got {_type(tools)}")
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise RowError(
+                    f'field \'{name}\'[{i}]: expected {{"type": "function", "function": {{"name": ...}}}}'
+                )
+        return tools
 
     def _row_system(self, data: dict[str, Any]) -> str | None:
         """A system prompt in its own column (some ShareGPT sets have one), if set."""
@@ -290,6 +335,21 @@ def _turns(data: dict[str, Any], name: str) -> list[Any]:
     if not isinstance(turns, list) or not turns:
         raise RowError(f"field '{name}': expected a non-empty list of turns, got {_describe(turns)}")
     return turns
+
+
+def _text_parts(parts: list[Any], where: str) -> str:
+    """A content list of text parts as one text; another part (an image, audio) refuses the row."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"a {kind!r} part" if isinstance(kind, str) else f"{_type(part)}, not a text part"
+            raise RowError(
+                f"{where}[{j}]: {what}: genq sends text only (images and audio are not rendered into "
+                "token ids); drop the part, or the row"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _text(data: dict[str, Any], name: str) -> str:

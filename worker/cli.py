@@ -96,6 +96,12 @@ log = logging.getLogger("genq.worker")
     default=10_000,
     help="Take no new jobs of a dataset while its result stream holds this many entries.",
 )
+@option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Run a dataset's tokenizer code (Kimi-K2's tokenization_kimi.py) to render --turns all "
+    "conversations; without it such datasets stay queued for a worker that may. Never taken from Redis.",
+)
 @option("--burst", is_flag=True, help="Exit once the queues are empty and nothing is in flight.")
 @logging_options
 @metrics_options
@@ -113,6 +119,7 @@ def worker_command(
     grace,
     heartbeat_ttl,
     stream_limit,
+    trust_remote_code,
     burst,
     log_level,
     log_format,
@@ -143,6 +150,7 @@ def worker_command(
         burst=burst,
         heartbeat_ttl=heartbeat_ttl,
         stream_limit=stream_limit,
+        trust_remote_code=trust_remote_code,
     )
     conn = connect(redis_url)
     wait_for_redis(conn, redis_url)

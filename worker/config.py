@@ -34,6 +34,9 @@ class WorkerConfig:
     backoff_cap: float = 60.0
     # A connection that fails this many times in a row closes the gate until /health answers.
     down_after: int = 3
+    # This host consents to run a tokenizer's own code (Kimi-K2's tokenization_kimi.py) when it
+    # renders a conversation's turns; never taken from Redis (genq/templates.py).
+    trust_remote_code: bool = False
 
     @property
     def auto(self) -> bool:

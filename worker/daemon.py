@@ -30,8 +30,10 @@ import redis
 from genq import backoff
 from genq.backends import Backend, Http
 from genq.backends.base import AttemptError
+from genq.datasets import DatasetSettings
 from genq.keys import Keys
 from genq.redis_errors import Outage
+from genq.templates import TRUST_FLAG
 from worker import metrics
 from worker.attempts import Attempts
 from worker.background import keep_running
@@ -74,6 +76,7 @@ class Worker:
         self._slot_freed = asyncio.Event()
         self._signals = 0
         self._background: list[asyncio.Task] = []
+        self.books.declines = self._declines
         self.gate = ServerGate(config, http, self.books)
         self.concurrency = Concurrency.of(config)  # how many jobs in flight
         self.attempts = Attempts(
@@ -101,6 +104,22 @@ class Worker:
     @property
     def backend(self) -> Backend:
         return self.gate.backend
+
+    def _declines(self, settings: DatasetSettings) -> str | None:
+        """Why this worker leaves a dataset's jobs queued: its tokenizer is code, which the worker
+        would run to render its conversations' turns (--turns all, a token backend), and this
+        host has not consented (its own flag, never Redis's say). Its jobs wait, unfailed, for a
+        worker started with --trust-remote-code."""
+        prompting = settings.prompting
+        code = prompting.get("tokenizer_code")
+        if not code or self.config.trust_remote_code or prompting.get("turns") != "all":
+            return None
+        if self.backend.sends != "ids":
+            return None  # the server renders: no tokenizer here
+        return (
+            f"its tokenizer is code ({str(code)[:200]!r}), run to render its turns, and this host has not "
+            f"consented: its jobs stay queued for a worker started with {TRUST_FLAG}"
+        )
 
     # -- plumbing ---------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -102,6 +103,9 @@ class Bookkeeper(BaseWorker):
         self.clock = RedisClock(conn)  # every time this worker writes for other hosts to compare
         self._apply_script = conn.register_script(rq_batch.APPLY)
         self._rq_lock = threading.Lock()  # RQ's single ``execution``, swapped for a failure
+        # Why this worker leaves a dataset's jobs queued (None: it serves them); set by the daemon.
+        self.declines: Callable[[datasets.DatasetSettings], str | None] = lambda settings: None
+        self._declined: set[str] = set()
 
     def log_context(self, t: Taken | None = None) -> dict[str, Any]:
         """The context of a log line (fields of --log-format json)."""
@@ -132,8 +136,16 @@ class Bookkeeper(BaseWorker):
         self.register_death()
 
     def refresh_queues(self) -> None:
-        """Serve every dataset of the namespace, including ones enqueued after start."""
-        names = [self.keys.queue_name(n) for n in datasets.load_all(self.connection, self.keys)]
+        """Serve every dataset of the namespace, including ones enqueued after start, but those
+        :attr:`declines` leaves queued for another worker (said once each)."""
+        names = []
+        for name, settings in datasets.load_all(self.connection, self.keys).items():
+            why = self.declines(settings)
+            if why is None:
+                names.append(self.keys.queue_name(name))
+            elif name not in self._declined:
+                self._declined.add(name)
+                log.warning("dataset %s: %s", name, why, extra=self.log_context())
         if names == self.queue_names():
             return
         self.queues = [Queue(n, connection=self.connection, serializer=self.serializer) for n in names]

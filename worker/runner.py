@@ -98,7 +98,7 @@ class JobRunner:
             prompt = conversation.turn_prompt(messages, answers, k)
             ids = None
             if template is not None:
-                ids = (await asyncio.to_thread(template.render, [prompt]))[0]
+                ids = (await asyncio.to_thread(template.render, [prompt], [spec.tools]))[0]
                 why = ids if isinstance(ids, str) else None
                 if k == 0 and why is None and spec.input_ids is not None and ids != spec.input_ids:
                     why = "the worker's chat template renders the first turn differently from enqueue's"
@@ -127,7 +127,7 @@ class JobRunner:
                 recorded = await self.redis(datasets.load, self.books.connection, self.keys, spec.dataset)
                 prompting = recorded.prompting if recorded else {}
                 self._templates[key] = await asyncio.to_thread(
-                    ChatTemplate.from_spec, spec.template or {}, prompting
+                    ChatTemplate.from_spec, spec.template or {}, prompting, self.config.trust_remote_code
                 )
         return self._templates[key]
 

@@ -78,6 +78,10 @@ class OpenAIChat(Backend):
         }
         if vllm:
             body["return_token_ids"] = True
+        if spec.tools is not None:
+            body["tools"] = spec.tools
+        if spec.chat_template_kwargs:  # vLLM and SGLang pass them to the template (a hosted API refuses)
+            body["chat_template_kwargs"] = spec.chat_template_kwargs
         return body
 
     async def generate(self, spec: JobSpec, rid: str, timeout: float) -> Answer:

@@ -243,6 +243,8 @@ def run_command(
                     err=True,
                 )
         worker_argv = genq_command("worker", "--backend", backend, "--concurrency", str(concurrency))
+        if _enqueue_options.get("trust_remote_code"):  # the one consent, for enqueue and workers alike
+            worker_argv.append("--trust-remote-code")
         pool = [_start(worker_argv, logs / f"worker-{i}.log", env) for i in range(workers)]
         children.extend(pool)
         _follow(conn, keys, pool, collector, worker_argv, logs, env)
