@@ -22,11 +22,12 @@ renamed into place, so an export cut short never looks finished.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import os
 from array import array
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,10 +74,11 @@ def export_dataset(
     fmt: str,
     reasoning_content: bool = False,
     include_truncated: bool = False,
-    template: ChatTemplate | None = None,
+    template: Callable[[], ChatTemplate | None] = lambda: None,
 ) -> Exported:
-    """Write ``out`` from ``raw`` (a raw_responses.jsonl) in format ``fmt``; ``template`` renders
-    text-only records (a chat backend's) into ids for eagle3."""
+    """Write ``out`` from ``raw`` (a raw_responses.jsonl) in format ``fmt``; ``template`` gives the
+    chat template that renders text-only records (a chat backend's) and conversations into ids for
+    eagle3, loaded when a record first needs it (records with their ids need none)."""
     result = Exported(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
@@ -94,13 +96,14 @@ def export_dataset(
                 result.skipped["truncated (finish_reason length; --include-truncated keeps them)"] += 1
                 continue
             rendered = view.turns is not None or view.output_ids is None
-            if fmt == "eagle3" and rendered and template is not None and view.messages:
-                row = _rendered(view, template, reasoning_content)
+            chat = template() if fmt == "eagle3" and rendered and view.messages else None
+            if chat is not None:
+                row = _rendered(view, chat, reasoning_content)
                 result.rendered += not isinstance(row, str)
             elif fmt == "eagle3" and view.turns is not None:
                 row = "a conversation: eagle3 renders it whole with --tokenizer (the dataset's)"
             elif fmt == "eagle3" and view.prompt_ids is None and _text_prompt(view) is not None:
-                row = _text_prompted(view, template)
+                row = _text_prompted(view, template())
             elif fmt == "eagle3":
                 row = _eagle3(view)
             else:
@@ -398,8 +401,9 @@ def export_command(
         raw = out_dir / name / RAW
         if not raw.is_file():
             raise click.ClickException(f"{raw}: no such file")
-        template = given or (
-            recorded_template(out_dir / name, trust_remote_code) if fmt == "eagle3" else None
+        folder = out_dir / name
+        template = functools.cache(
+            lambda folder=folder: given or recorded_template(folder, trust_remote_code)
         )
         result = export_dataset(
             raw,
@@ -410,9 +414,10 @@ def export_command(
             template,
         )
         click.echo(f"{name}: wrote {result.written} to {result.path}")
-        if result.rendered and template is not None:
+        used = template() if result.rendered else None
+        if used is not None:
             whose = "" if given else " (the dataset's, recorded at enqueue)"
-            click.echo(f"{name}: rendered {result.rendered} records with {template.name}'s template{whose}")
+            click.echo(f"{name}: rendered {result.rendered} records with {used.name}'s template{whose}")
         for reason, n in result.skipped.most_common():
             click.echo(f"{name}: left out {n}: {reason}", err=True)
         if not result.written and result.skipped:

@@ -8,12 +8,18 @@ environment variable, or is read somewhere in genq's code, units, compose file o
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import click
+import pytest
 
 from genq.commands.cli import main
+from genq.commands.embedded import free_port
+from tests.helpers import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -174,3 +180,36 @@ def test_only_the_commands_that_name_a_dataset_read_genq_dataset():
         if "GENQ_DATASET" in _listed(getattr(param, "envvar", None) or [])
     }
     assert readers == {"enqueue", "run"}, readers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job", ["Job A", "Job B"])
+def test_the_recipes_run_as_written(tmp_path, job):
+    """docs/recipes.md's commands, as a user pastes them, from a folder laid out as the repository's
+    root (the simulator in place of the cluster): each ends 0 and writes the files it says."""
+    text = (ROOT / "docs" / "recipes.md").read_text()
+    section = text[text.index(f"## {job}") :]
+    script = section[section.index("```sh\n") + 6 : section.index("\n```", section.index("```sh"))]
+    port = str(free_port())
+    for name in ("examples", "tests"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    res = subprocess.run(
+        ["bash", "-euc", script.replace("18000", port)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    if job == "Job A":
+        records = read_jsonl(tmp_path / "out-a" / "prompts" / "raw_responses.jsonl")
+        assert len(records) == 200 and all(r["reasoning"] is not None for r in records)
+        assert len(read_jsonl(tmp_path / "out-a" / "prompts" / "sharegpt.jsonl")) == 200
+    else:
+        for i in range(10):
+            rows = read_jsonl(tmp_path / "out-b" / f"set{i}" / "tokenized_data.jsonl")
+            assert len(rows) == 20 and all(len(r["input_ids"]) == len(r["loss_mask"]) for r in rows)

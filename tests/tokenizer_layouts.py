@@ -264,3 +264,11 @@ def _sentencepiece(folder: Path) -> None:
         "model_max_length": 4096,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+if (
+    __name__ == "__main__"
+):  # python -m tests.tokenizer_layouts tiktoken DIR: a stand-in tokenizer (docs/recipes.md)
+    import sys
+
+    print(build(sys.argv[1], Path(sys.argv[2]), template_file=True))
