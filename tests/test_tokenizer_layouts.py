@@ -279,6 +279,7 @@ def test_consent_is_per_host_a_worker_without_it_leaves_the_jobs_queued(
         "--max-new-tokens",
         "16",
     ]
+    args += ["--chat-template-kwargs", '{"thinking": false}', "--reasoning-preset", "kimi-k2"]
     assert procs.run(*args, "--dataset", "turns").returncode == 0
     refusing = procs.start("worker", "--server", url, "--burst", "--concurrency", "4")
     assert refusing.wait(120) == 0, log_of(refusing)
@@ -292,6 +293,17 @@ def test_consent_is_per_host_a_worker_without_it_leaves_the_jobs_queued(
     assert procs.run("collect", "--out", out, "--burst", timeout=120).returncode == 0
     records = read_jsonl(out / "turns" / "raw_responses.jsonl")
     assert len(records) == 3 and all(len(r["turns"]) == 2 for r in records)
+    # The worker renders turn 2 as enqueue would: the template's switch (thinking off) and the
+    # model's own first answer in place of the dataset's.
+    tok = _tok(folder)
+    for record in records:
+        first, second = record["turns"]
+        answer = {"role": "assistant", "content": first["content"] or ""}
+        if first["reasoning"] is not None:
+            answer["reasoning_content"] = first["reasoning"]
+        assert first["input_ids"] == _expected(tok, dialog[:1], None, thinking=False)
+        assert second["input_ids"] == _expected(tok, [dialog[0], answer, dialog[2]], None, thinking=False)
+        assert tok.decode(second["input_ids"]).endswith("<think></think>")
     # The code changes (a new revision of the repo): another tokenizer, though the template is the same.
     before = ChatTemplate(str(folder), trust_remote_code=True).fingerprint
     with open(folder / "tokenization_kimi.py", "a") as fh:
@@ -314,3 +326,17 @@ def test_consent_is_per_host_a_worker_without_it_leaves_the_jobs_queued(
     for error in errors:
         assert error["error"] == "tokenizer" and "chat template and code" in error["message"], error
         assert "not the ones the dataset was enqueued with" in error["message"], error
+
+
+def test_turns_all_refuses_tool_use_per_row(layouts, procs, tmp_path):
+    """Regenerating every turn of an agentic conversation would need its tools run again: such a row
+    is refused with its reason, and the plain dialogs beside it go through."""
+    data = write_jsonl(tmp_path / "mixed.jsonl", [{"messages": AGENTIC, "tools": TOOLS}, {"messages": PLAIN}])
+    res = procs.run(
+        "enqueue", data, "--tokenizer", layouts["fast", False], "--turns", "all", "--dataset", "t"
+    )
+    assert res.returncode == 3, res.stderr
+    assert "read 2, enqueued 1, skipped 0, rejected 1" in res.stdout, res.stdout
+    assert f"{data}:1: field 'messages': turn 1 is tool use: --turns all regenerates" in res.stderr, (
+        res.stderr
+    )
