@@ -3,7 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench llama-server engines real-engine
+.PHONY: demo test test-quick lint bench llama-server engines real-engine
+
+# Test processes (pytest-xdist): most tests wait on processes, servers and clocks, not on the CPU, so
+# more processes than cores overlap their waits; tests/conftest.py keeps the heavy tiers serial.
+TEST_WORKERS ?= 4
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 $(BIN)/genq: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +41,15 @@ test: $(BIN)/genq llama-server engines
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(PYTEST_PARALLEL)
+
+# The logic tests, without real engines, containers, clusters or the long end-to-end runs: what to
+# run before every commit (lint included).
+test-quick: $(BIN)/genq
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/pytest -q -m "not slow" $(PYTEST_PARALLEL)
 
 bench: $(BIN)/genq
 	$(BIN)/python bench/throughput.py

@@ -21,12 +21,22 @@ pytest_plugins = ["tests.llama", "tests.engines"]  # the real engines: llama.cpp
 
 # Tiers that are slow by nature: `pytest -m "not slow"` leaves them out with the other slow tests.
 SLOW_TIERS = ("real_engine", "chaos", "containers", "multihost", "slurm")
+# Under pytest-xdist (`make test`: --dist loadgroup), tests of one group run one after another on one
+# process: the real engines (each a CPU-bound server on both cores; two at once would slow each
+# other past their tests' bounds), and what holds the whole machine (podman's images and networks,
+# the Slurm cluster's daemons, network namespaces and bridges). Every other test runs beside them,
+# isolated by its own Redis (one per process), namespace, temp folder and free ports.
+GROUPS = {"real_engine": "engines", "containers": "machine", "slurm": "machine", "multihost": "machine"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist names the groups (xdist/remote.py)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if any(item.get_closest_marker(tier) for tier in SLOW_TIERS):
             item.add_marker(pytest.mark.slow)
+        group = next((g for marker, g in GROUPS.items() if item.get_closest_marker(marker)), None)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
@@ -91,17 +101,26 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
-REPORT: list[str] = []
+MEASUREMENT = "genq measurement"
 
 
 @pytest.fixture
-def report():
-    """Lines a test wants in the run's summary (measurements such as wasted GPU work)."""
-    return REPORT.append
+def report(request):
+    """Lines a test wants in the run's summary (measurements such as wasted GPU work): kept in the
+    test's report, so they reach the summary from xdist's processes too."""
+    return lambda line: request.node.user_properties.append((MEASUREMENT, line))
 
 
 def pytest_terminal_summary(terminalreporter):
-    if REPORT:
+    lines = [
+        value
+        for reports in terminalreporter.stats.values()
+        for rep in reports
+        if getattr(rep, "when", None) == "teardown"  # its properties hold all the test's lines
+        for name, value in getattr(rep, "user_properties", ())
+        if name == MEASUREMENT
+    ]
+    if lines:
         terminalreporter.section("genq measurements")
-        for line in REPORT:
+        for line in lines:
             terminalreporter.write_line(line)
