@@ -89,8 +89,8 @@ def parse(data: dict[str, Any]) -> Request:
     if prompt not in body:
         raise BatchError(f"field 'body.{prompt}': missing (url {url} needs it)")
     for key, value in body.items():
-        if key == prompt or key in SAMPLING:
-            continue
+        if key == prompt or key in SAMPLING or (key == "tools" and url == CHAT_URL):
+            continue  # tools: the function declarations, rendered with the conversation
         if key in HARMLESS and HARMLESS[key] in (None, value):
             continue
         if key in HARMLESS:

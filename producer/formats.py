@@ -195,6 +195,7 @@ class Shape:
         if request.url == openai_batch.CHAT_URL:
             self.check_usable("messages", f"url {request.url}")
             prompt.messages = self._chat(request.body, self._messages(request.body), "messages")
+            prompt.tools = self._tools(request.body)
             return prompt
         if self.server_renders:
             raise ShapeError(

@@ -340,3 +340,15 @@ def test_turns_all_refuses_tool_use_per_row(layouts, procs, tmp_path):
     assert f"{data}:1: field 'messages': turn 1 is tool use: --turns all regenerates" in res.stderr, (
         res.stderr
     )
+
+
+def test_an_openai_batch_request_with_tools_is_rendered_with_them(layouts, procs, conn, namespace, tmp_path):
+    body = {"model": "kimi", "messages": AGENTIC[:3], "tools": TOOLS, "max_tokens": 32}
+    line = {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    data = write_jsonl(tmp_path / "batch.jsonl", [line])
+    folder = layouts["fast", False]
+    res = procs.run("enqueue", data, "--tokenizer", folder, "--dataset", "b", "--max-new-tokens", "32")
+    assert res.returncode == 0, res.stderr
+    (job,) = Queue(Keys(namespace).queue_name("b"), connection=conn, serializer="json").get_jobs()
+    assert job.kwargs["tools"] == TOOLS
+    assert job.kwargs["input_ids"] == _expected(_tok(folder), AGENTIC[:3], TOOLS, thinking=True)
