@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 .PHONY: demo test test-quick lint bench llama-server engines real-engine
 
 # Test processes (pytest-xdist): most tests wait on processes, servers and clocks, not on the CPU, so
-# more processes than cores overlap their waits; tests/conftest.py keeps the heavy tiers serial.
+# more processes than cores overlap their waits; tests/conftest.py (GROUPS) keeps the heavy tiers serial.
 TEST_WORKERS ?= 4
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --durations=25
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --durations=25
 
 $(BIN)/genq: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -21,22 +21,47 @@ pytest_plugins = ["tests.llama", "tests.engines"]  # the real engines: llama.cpp
 
 # Tiers that are slow by nature: `pytest -m "not slow"` leaves them out with the other slow tests.
 SLOW_TIERS = ("real_engine", "chaos", "containers", "multihost", "slurm")
-# Under pytest-xdist (`make test`: --dist loadgroup), tests of one group run one after another on one
-# process: the real engines (each a CPU-bound server on both cores; two at once would slow each
-# other past their tests' bounds), and what holds the whole machine (podman's images and networks,
-# the Slurm cluster's daemons, network namespaces and bridges). Every other test runs beside them,
-# isolated by its own Redis (one per process), namespace, temp folder and free ports.
-GROUPS = {"real_engine": "engines", "containers": "machine", "slurm": "machine", "multihost": "machine"}
+# Under pytest-xdist (`make test`), the modules of one group run one after another on one process:
+# "engines", the real engines (each a CPU-bound server on both cores; two at once would slow each
+# other past their tests' bounds); "machine", what holds the whole machine (podman's images and
+# networks, the Slurm cluster's daemons, network namespaces and bridges). Every other test is a
+# unit of its own, run beside them, isolated by its own Redis (one per process), namespace, temp
+# folder and free ports. (xdist's own `--dist loadgroup` groups by renaming items, which pytest 9's
+# node ids no longer allow: it silently groups nothing.)
+GROUPS = {
+    "tests/test_real_engine.py": "engines",
+    "tests/test_real_sglang.py": "engines",
+    "tests/test_real_vllm.py": "engines",
+    "tests/test_sglang_router.py": "engines",
+    "tests/test_containers.py": "machine",
+    "tests/test_slurm.py": "machine",
+    "tests/test_multihost.py": "machine",
+}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist names the groups (xdist/remote.py)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if any(item.get_closest_marker(tier) for tier in SLOW_TIERS):
             item.add_marker(pytest.mark.slow)
-        group = next((g for marker, g in GROUPS.items() if item.get_closest_marker(marker)), None)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+    # The groups first: they are the longest chains, so they start while the rest fills the others.
+    items.sort(key=lambda item: _module(item.nodeid) not in GROUPS)
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with GROUPS as the scopes: a group is one unit of work, every other
+    test a unit of its own."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Grouped(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return GROUPS.get(_module(nodeid), nodeid)
+
+    return Grouped(config, log)
 
 
 @pytest.fixture(scope="session")
