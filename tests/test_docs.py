@@ -50,6 +50,8 @@ EXTERNAL = {
     "--array": "sbatch",
     "--export": "sbatch",
     "--signal": "sbatch",
+    # pytest-xdist (docs/design.md, Testing)
+    "--dist": "pytest-xdist",
     # podman, podman-compose, systemd, pip, redis-server
     "--build": "podman-compose",
     "--build-arg": "podman build",
