@@ -19,15 +19,11 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from tests import dataset_helpers
+
 LAYOUTS = ("fast", "tiktoken", "sentencepiece")
-CORPUS = [
-    "You are a helpful assistant.",
-    "What is the capital of France? Paris is the capital of France.",
-    "Write a haiku about the sea. The sea is wide and deep and blue.",
-    "Explain recursion in one sentence. A function that calls itself.",
-    "hello world, how are you today? I am fine, thank you.",
-    "The weather in Paris is sunny. Call get_weather with the city.",
-]
+# The dataset tests' sentences, and one of tool use.
+CORPUS = [*dataset_helpers.CORPUS, "The weather in Paris is sunny. Call get_weather with the city."]
 # Kimi-K2's special tokens, in its order, right after the base ranks; <think> and </think> follow.
 KIMI_SPECIAL = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>"]
 KIMI_SPECIAL += ["<|im_middle|>"]
