@@ -421,9 +421,26 @@ def wait_all(started: Iterable[subprocess.Popen], timeout: float) -> list[int]:
     return [proc.wait(max(deadline - time.monotonic(), 0)) for proc in started]
 
 
-def finish_run(procs: Procs, dataset: str, total: int, timeout: float, *roles: subprocess.Popen) -> None:
-    """Wait until all ``total`` records of ``dataset`` are on disk, then SIGTERM each role (workers,
-    collectors): each must exit 0."""
-    wait_until(lambda: status_json(procs)["datasets"][dataset]["done"] == total, timeout, "every record")
+def wait_for_records(procs: Procs, dataset: str, n: int, stall: float, *, in_flight: bool = False) -> dict:
+    """Wait until ``n`` records of ``dataset`` are on disk (and, with ``in_flight``, jobs still in
+    flight, so that what comes next meets work under way); return its counts. Fails when no record
+    has reached disk for ``stall`` seconds: a machine loaded by other tests slows a run without
+    stopping it, so the bound is on a stall, and pytest's timeout bounds the whole."""
+    last, moved = -1, time.monotonic()
+    while True:
+        counts = status_json(procs)["datasets"][dataset]
+        if counts["done"] >= n and (counts["in_flight"] > 0 or not in_flight):
+            return counts
+        if counts["done"] != last:
+            last, moved = counts["done"], time.monotonic()
+        elif time.monotonic() - moved > stall:
+            raise AssertionError(f"{dataset}: no record on disk for {stall:.0f} s, {last} of the {n} awaited")
+        time.sleep(0.2)
+
+
+def finish_run(procs: Procs, dataset: str, total: int, stall: float, *roles: subprocess.Popen) -> None:
+    """Wait until all ``total`` records of ``dataset`` are on disk (failing on a ``stall`` of that
+    many seconds), then SIGTERM each role (workers, collectors): each must exit 0."""
+    wait_for_records(procs, dataset, total, stall)
     for proc in roles:
         assert stop(proc, timeout=60) == 0, log_of(proc)

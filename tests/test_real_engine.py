@@ -20,8 +20,8 @@ from tests.helpers import (
     read_jsonl,
     server_load,
     sigkill,
-    status_json,
     stop,
+    wait_for_records,
     wait_until,
     write_ids,
     write_jsonl,
@@ -128,11 +128,7 @@ def test_kills_on_a_real_engine_lose_and_repeat_nothing(procs, llama_model, out,
         def at(n: int) -> None:
             """n records on disk, and jobs in flight: each kill meets work under way."""
 
-            def ready() -> bool:
-                c = status_json(procs)["datasets"]["kills"]
-                return c["done"] >= n and c["in_flight"] > 0
-
-            wait_until(ready, 120, f"{n} records on disk and jobs in flight", interval=0.1)
+            wait_for_records(procs, "kills", n, 120, in_flight=True)
 
         at(100)
         sigkill(workers[0])

@@ -40,6 +40,7 @@ from tests.helpers import (
     sigkill,
     sim_get,
     status_json,
+    wait_for_records,
     wait_until,
     write_ids,
 )
@@ -112,7 +113,7 @@ def test_the_server_killed_and_stopped_mid_run(procs, sglang_install, out, tmp_p
     python, model = sglang_install
     server = sglang_server(python, model, tmp_path / "sglang.log")
     server.start()
-    prompts = hf_prompts(600, seed=1)
+    prompts = hf_prompts(240, seed=1)
     data = write_ids(tmp_path / "kills.jsonl", prompts)
     flags = ("--concurrency", "8", "--request-timeout", "4", "--max-attempts", "20", "--heartbeat-ttl", "5")
     try:
@@ -122,22 +123,18 @@ def test_the_server_killed_and_stopped_mid_run(procs, sglang_install, out, tmp_p
         worker = procs.start("worker", "--server", server.url, *flags)
 
         def at(n: int) -> None:
-            def ready() -> bool:
-                c = status_json(procs)["datasets"]["kills"]
-                return c["done"] >= n and c["in_flight"] > 0
+            wait_for_records(procs, "kills", n, 120, in_flight=True)
 
-            wait_until(ready, 180, f"{n} records on disk and jobs in flight", interval=0.2)
-
-        at(100)
+        at(40)
         server.kill()  # every request in flight is dropped
         wait_until(lambda: "looks down" in log_of(worker), 60, "the worker to notice")
         server.start()
-        at(250)
+        at(110)
         server.signal(signal.SIGSTOP)  # every request in flight hangs past its 4 s deadline
         wait_until(lambda: "failed: timeout" in log_of(worker), 60, "a request to time out")
         time.sleep(2)
         server.signal(signal.SIGCONT)
-        finish_run(procs, "kills", len(prompts), 300, worker, collector)
+        finish_run(procs, "kills", len(prompts), 120, worker, collector)
         _check_exact(out, "kills", prompts, server.url)
         assert not read_jsonl(out / "kills" / "errors.jsonl")
         assert_verified(procs, out, data)
@@ -218,7 +215,7 @@ def test_api_key_rotation_and_a_full_queue_cost_no_attempt(procs, sglang_install
         assert res.returncode == 0, res.stderr
         worker = procs.start("worker", "--server", server.url, "--concurrency", "16", env=env)
         collector = procs.start("collect", "--out", out)
-        wait_until(lambda: status_json(procs)["datasets"]["keyed"]["done"] >= 40, 180, "40 records")
+        wait_for_records(procs, "keyed", 40, 120)
         server.stop()
         server.argv[server.argv.index("first-key")] = "second-key"
         server.start()
@@ -227,7 +224,7 @@ def test_api_key_rotation_and_a_full_queue_cost_no_attempt(procs, sglang_install
         time.sleep(3)
         assert status_json(procs)["datasets"]["keyed"]["done"] == done, "the gate stayed closed"
         key_file.write_text("second-key\n")
-        finish_run(procs, "keyed", len(prompts), 240, worker, collector)
+        finish_run(procs, "keyed", len(prompts), 120, worker, collector)
         records = _check_exact(out, "keyed", prompts, server.url, key="second-key", batch=4)
         assert "overloaded" in log_of(worker) or "queue is full" in log_of(worker), "no queue-full 503 met"
         assert all(r["attempts"] == 1 for r in records), "a 503 or a refused key charged an attempt"

@@ -27,6 +27,7 @@ from tests.helpers import (
     sim_stats,
     status_json,
     stop,
+    wait_for_records,
     wait_until,
     write_prompts,
 )
@@ -130,7 +131,7 @@ def test_every_prompt_once_through_the_router_with_a_replica_killed_and_restarte
     collector = procs.start("collect", "--out", out)
     worker = procs.start("worker", "--server", router, "--concurrency", str(concurrency))
 
-    wait_until(lambda: status_json(procs)["datasets"]["routed"]["done"] >= n // 4, 240, "a quarter on disk")
+    wait_for_records(procs, "routed", n // 4, 120)
     assert all(r.proc and r.proc.poll() is None for r in replicas)
     victim = replicas[0]
     assert sim_stats(victim.url)["in_flight"] > 0, "the kill must catch work in progress"
@@ -139,7 +140,7 @@ def test_every_prompt_once_through_the_router_with_a_replica_killed_and_restarte
     assert done_at_kill < n, "the kill came after the run"
     victim.start()
 
-    wait_until(lambda: status_json(procs)["datasets"]["routed"]["done"] == n, 360, "every record")
+    wait_for_records(procs, "routed", n, 120)
     for proc in (worker, collector):
         assert stop(proc, timeout=60) == 0, log_of(proc)
 
