@@ -29,21 +29,13 @@ from collector.reconcile import Reconciler
 from genq import datasets as datasets_mod
 from genq import token_counts
 from genq.bitmaps import get_bits
+from genq.entries import BadEntry, quarantine, read_entry
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS
 from genq.logprobs import check as check_frame
 from genq.logprobs import without_frame
 from genq.queues import count_unfinished, rq_queue
-from genq.schema import (
-    ERRORS,
-    KIND_ERROR,
-    KIND_RECORD,
-    RAW,
-    bit_index,
-    entry_data,
-    entry_kind,
-    entry_logprobs,
-)
+from genq.schema import ERRORS, KIND_ERROR, KIND_RECORD, RAW, bit_index
 
 log = logging.getLogger("genq.collector")
 
@@ -65,6 +57,7 @@ class Item:
     entry_id: bytes | None  # None for errors the collector itself found (failed registry)
     logprobs: bytes | None = None  # the record's frame for logprobs.bin (genq/logprobs.py)
     dataset: str = ""  # the dataset whose stream (or failed registry) it came from
+    fields: dict | None = None  # the stream entry as read, for its dead letter should it be one
 
 
 @dataclass
@@ -72,6 +65,7 @@ class _Read:
     """What Redis says of a batch before it is written."""
 
     bits: dict[tuple[str, int], tuple[int, int]]  # (dataset, index) -> (done, failed)
+    enqueued: set[tuple[str, int]]  # the (dataset, index) of the batch that were ever enqueued
     now: float  # Redis's clock
     behind: set[str]  # datasets whose checkpoints Redis lost
 
@@ -258,7 +252,7 @@ class Collector:
                     self.keys.results_group, CONSUMER, {self.keys.results(name): "0"}, count=self.batch
                 )
                 if resp and resp[0][1]:
-                    return [self._item(name, entry_id, fields) for entry_id, fields in resp[0][1]]
+                    return self._items([(name, entry_id, fields) for entry_id, fields in resp[0][1]])
             self._unacked.discard(name)
         if not self.held:
             time.sleep(block_ms / 1000)
@@ -271,14 +265,44 @@ class Collector:
             block=block_ms,
         )
         streams = {self.keys.results(name).encode(): name for name in self.held}
-        return [
-            self._item(streams[stream], entry_id, fields)
-            for stream, entries in resp or []
-            for entry_id, fields in entries
-        ]
+        return self._items(
+            [(streams[stream], entry_id, fields) for stream, got in resp or [] for entry_id, fields in got]
+        )
 
-    def _item(self, dataset: str, entry_id: bytes, fields: dict) -> Item:
-        return Item(entry_kind(fields), entry_data(fields), entry_id, entry_logprobs(fields), dataset)
+    def _items(self, read: list[tuple[str, bytes, dict]]) -> list[Item]:
+        """The entries read, checked (genq/entries.py); those that are not a worker's are moved to
+        their dataset's dead letter, one error line each, and the rest go on."""
+        items, bad = [], []
+        for dataset, entry_id, fields in read:
+            try:
+                entry = read_entry(fields, dataset, self._settings[dataset].samples)
+            except BadEntry as exc:
+                bad.append((dataset, entry_id, fields, str(exc)))
+                continue
+            items.append(Item(entry.kind, entry.data, entry_id, entry.logprobs, dataset, fields))
+        self._quarantine(bad)
+        return items
+
+    def _quarantine(self, bad: list[tuple[str, bytes, dict, str]]) -> None:
+        """Move each (dataset, entry id, fields, why) to the dataset's dead letter, acknowledged, in
+        one MULTI: a run never stops on an entry it cannot write, and nothing of it is lost."""
+        if not bad:
+            return
+        self.fence({dataset for dataset, *_ in bad})
+        with self.conn.pipeline(transaction=True) as pipe:
+            for dataset, entry_id, fields, why in bad:
+                quarantine(pipe, self.keys, dataset, entry_id, fields, why)
+            pipe.execute()
+        for dataset, entry_id, _, why in bad:
+            log.error(
+                "dataset %s: entry %s of %s is not a worker's result: %s; moved to %s (genq failed lists it)",
+                dataset,
+                entry_id.decode(),
+                self.keys.results(dataset),
+                why,
+                self.keys.dead_letter(dataset),
+                extra={"dataset": dataset},
+            )
 
     def write(self, items: list[Item]) -> int:
         """Append the new ones, fsync, then mark, checkpoint and acknowledge all in one atomic commit."""
@@ -294,6 +318,10 @@ class Collector:
         if state.behind:
             self._lost_writes(state.behind, by_dataset)
             return 0
+        placed = self._only_enqueued(placed, state.enqueued)
+        if not placed:
+            return 0
+        by_dataset = _indexes_by_dataset(placed)
         self.fence(by_dataset)  # right before the files are touched: the reads above may have waited on Redis
         try:
             batch = self._append(placed, state.bits, by_dataset)
@@ -363,6 +391,19 @@ class Collector:
             placed.append((item, name, bit_index(item.data["row"], item.data["sample"], settings.samples)))
         return placed
 
+    def _only_enqueued(self, placed: Placed, enqueued: set[tuple[str, int]]) -> Placed:
+        """The items of jobs that were enqueued; an entry of any other id is not a worker's (forged
+        into the stream): to the dead letter. Before a bit is set: a bitmap grows to its highest bit."""
+        kept, bad = [], []
+        for item, name, index in placed:
+            if item.entry_id is None or (name, index) in enqueued:
+                kept.append((item, name, index))
+            else:
+                why = f"no job of id {item.data.get('id')!r} was ever enqueued"
+                bad.append((name, item.entry_id, item.fields, why))
+        self._quarantine(bad)
+        return kept
+
     def _read_state(self, by_dataset: dict[str, list[int]]) -> _Read:
         """The done and failed bits of the batch, Redis's clock, and the datasets whose last
         checkpoints Redis no longer holds."""
@@ -373,19 +414,23 @@ class Collector:
             for name, indexes in by_dataset.items():
                 get_bits(pipe, self.keys.done(name), indexes)
                 get_bits(pipe, self.keys.failed(name), indexes)
+                get_bits(pipe, self.keys.enqueued(name), indexes)
             pipe.hmget(self.keys.collector_offsets, list(synced))
             pipe.time()  # Redis's clock, for the token rate (genq/token_counts.py)
             *replies, stored, (sec, usec) = pipe.execute()
         kept = zip(synced.values(), stored, strict=True)
         behind = {name for (name, size), value in kept if int(value or 0) != size}
         bits: dict[tuple[str, int], tuple[int, int]] = {}
+        enqueued: set[tuple[str, int]] = set()
         if not behind:
-            pairs = iter(replies)
+            triples = iter(replies)
             for name, indexes in by_dataset.items():
-                done_bits, failed_bits = next(pairs), next(pairs)
-                for index, done, failed in zip(indexes, done_bits, failed_bits, strict=True):
+                done_bits, failed_bits, ever_bits = next(triples), next(triples), next(triples)
+                for index, done, failed, ever in zip(indexes, done_bits, failed_bits, ever_bits, strict=True):
                     bits[name, index] = (done, failed)
-        return _Read(bits, sec + usec / 1e6, behind)
+                    if ever:
+                        enqueued.add((name, index))
+        return _Read(bits, enqueued, sec + usec / 1e6, behind)
 
     def _append(
         self, placed: Placed, bits: dict[tuple[str, int], tuple[int, int]], by_dataset: dict[str, list[int]]

@@ -6,6 +6,8 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``results:<name>``         stream the dataset's records and errors on their way to disk (one stream per
                                     dataset, so each can drain through its own collector)
 - ``in_stream``              hash   dataset -> entries in its stream (moves with the stream, in one MULTI)
+- ``dead:<name>``            stream entries of its stream that were not a worker's (genq/entries.py): their
+                                    fields (cut), why, when; ``quarantined`` hash: dataset -> how many ever
 - ``in_source``              hash   dataset -> jobs not enqueued yet, still in its files (``enqueue
                                     --max-queued``; gone once the enqueue has read every row)
 - ``enqueuing:<name>``       string the lease of the one enqueue of the dataset running (``host:pid:token``;
@@ -84,6 +86,13 @@ class Keys:
     @property
     def in_stream(self) -> str:
         return self.prefix + "in_stream"
+
+    def dead_letter(self, dataset: str) -> str:
+        return f"{self.prefix}dead:{dataset}"
+
+    @property
+    def quarantined(self) -> str:
+        return self.prefix + "quarantined"
 
     @property
     def in_source(self) -> str:

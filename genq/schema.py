@@ -78,35 +78,6 @@ ABANDON_REQUEUES = 10
 KIND_RECORD = b"record"
 KIND_ERROR = b"error"
 
-# The fields of a result-stream entry (the worker writes it, the collector and verify read it):
-# its kind, the record id, the record or error as JSON, and the packed logprobs when asked for.
-ENTRY_KIND, ENTRY_ID, ENTRY_DATA, ENTRY_LOGPROBS = "kind", "id", "data", "lp"
-_KIND, _ID, _DATA, _LOGPROBS = (f.encode() for f in (ENTRY_KIND, ENTRY_ID, ENTRY_DATA, ENTRY_LOGPROBS))
-
-
-def stream_entry(kind: bytes, record_id: str, data: dict[str, Any], logprobs: bytes | None) -> dict:
-    """The fields to XADD for one finished job; "lp" only when there are logprobs."""
-    entry: dict[str, Any] = {ENTRY_KIND: kind, ENTRY_ID: record_id, ENTRY_DATA: dumps(data)}
-    if logprobs is not None:
-        entry[ENTRY_LOGPROBS] = logprobs
-    return entry
-
-
-def entry_kind(fields: dict[bytes, bytes]) -> bytes:
-    return fields[_KIND]
-
-
-def entry_record_id(fields: dict[bytes, bytes]) -> str:
-    return fields[_ID].decode()
-
-
-def entry_data(fields: dict[bytes, bytes]) -> Any:
-    return loads(fields[_DATA])
-
-
-def entry_logprobs(fields: dict[bytes, bytes]) -> bytes | None:
-    return fields.get(_LOGPROBS)
-
 
 def record_id(dataset: str, row: int, sample: int, samples: int) -> str:
     """``<dataset>-<row>`` or ``<dataset>-<row>-<sample>`` (decision 5): the same row gives the same id.

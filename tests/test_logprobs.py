@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from genq.entries import ENTRY_LOGPROBS
 from genq.keys import Keys
 from genq.logprobs import F16_MAX, FILE, FLAG_CLAMPED, FLAG_NULL, LogProbs, frames, pack, valid_end
-from genq.schema import ENTRY_LOGPROBS
 from sim.model import logprobs as sim_logprobs
 from tests.helpers import (
     check_records,

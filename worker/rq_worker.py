@@ -37,10 +37,11 @@ from rq.worker import BaseWorker, WorkerStatus
 from genq import datasets
 from genq.allocation import slurm_job
 from genq.clock import RedisClock
+from genq.entries import stream_entry
 from genq.keys import Keys
 from genq.queues import count_unfinished
 from genq.reaper import reap
-from genq.schema import KIND_ERROR, JobSpec, dumps, loads, stream_entry
+from genq.schema import KIND_ERROR, JobSpec, dumps, loads
 from worker import rq_batch
 
 log = logging.getLogger("genq.worker")

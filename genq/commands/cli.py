@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from genq import __version__, failures, terminal
+from genq import __version__, entries, failures, terminal
 from genq.commands import monitor as monitor_view
 from genq.commands.run_redis import out_option, redis_of
 from genq.commands.status import status
@@ -144,22 +145,46 @@ def monitor_command(
 def failed_command(
     dataset: str | None, as_json: bool, out: Path | None, redis_url: str, namespace: str
 ) -> None:
-    """Terminal failures, grouped by reason (error class and the server's message)."""
+    """Terminal failures, grouped by reason (error class and the server's message), and the
+    stream entries quarantined because they were not a worker's result (the last 100 of each dataset)."""
+    keys = Keys(namespace)
     with redis_of(out, redis_url) as (url, auth):
-        groups = failures.group(failures.failures(connect(url, **auth), Keys(namespace), dataset))
+        conn = connect(url, **auth)
+        groups = failures.group(failures.failures(conn, keys, dataset))
+        counts = entries.quarantined(conn, keys)
+        letters = [
+            letter
+            for name in sorted(counts)
+            if dataset in (None, name)
+            for letter in entries.dead_letters(conn, keys, name)
+        ]
     if as_json:
         data = [{"error": g.error, "message": g.message, "count": len(g.ids), "ids": g.ids} for g in groups]
-        click.echo(orjson.dumps({"groups": data}, option=orjson.OPT_INDENT_2).decode())
+        quarantined = [dataclasses.asdict(letter) for letter in letters]
+        click.echo(
+            orjson.dumps({"groups": data, "quarantined": quarantined}, option=orjson.OPT_INDENT_2).decode()
+        )
         return
-    if not groups:
+    if not groups and not letters:
         click.echo("no failed jobs")
         return
-    table = Table(title=f"failed jobs in namespace {namespace!r}")
-    for col in ("count", "error", "message", "e.g."):
-        table.add_column(col, justify="right" if col == "count" else "left", overflow="fold")
-    for g in groups:
-        table.add_row(str(len(g.ids)), g.error, g.message, ", ".join(g.ids[:3]))
-    terminal.console().print(table)
+    if groups:
+        table = Table(title=f"failed jobs in namespace {namespace!r}")
+        for col in ("count", "error", "message", "e.g."):
+            table.add_column(col, justify="right" if col == "count" else "left", overflow="fold")
+        for g in groups:
+            table.add_row(str(len(g.ids)), g.error, g.message, ", ".join(g.ids[:3]))
+        terminal.console().print(table)
+    if letters:
+        total = sum(n for name, n in counts.items() if dataset in (None, name))
+        table = Table(
+            title=f"{total:,} stream entries quarantined: not a worker's result (last 100 per dataset)"
+        )
+        for col in ("dataset", "entry", "found at", "why"):
+            table.add_column(col, overflow="fold")
+        for letter in letters:
+            table.add_row(letter.dataset, letter.entry, letter.found_at, letter.reason)
+        terminal.console().print(table)
 
 
 @main.command("retry")

@@ -11,7 +11,7 @@ import redis
 from rq import Worker
 from rq.utils import utcparse
 
-from genq import datasets, token_counts
+from genq import datasets, entries, token_counts
 from genq.clock import redis_time
 from genq.keys import Keys
 from genq.progress import STATES, dataset_counts, stream_lag, worker_names
@@ -110,15 +110,18 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
     now = now if now is not None else redis_time(conn)
     per_dataset = with_tokens(conn, keys, dataset_counts(conn, keys), now)
     alive = workers(conn, keys, now)
+    quarantined = entries.quarantined(conn, keys)
     return {
         "namespace": keys.namespace,
         "datasets": per_dataset,
         "totals": totals(per_dataset),
         "workers": alive,
         "stream": stream_lag(conn, keys, now),
+        "quarantined": quarantined,
         "warnings": [
             *_refusing_writes(conn),
             *warnings(datasets.load_all(conn, keys), alive),
+            *_quarantined(keys, quarantined),
         ],
     }
 
@@ -134,6 +137,14 @@ def warnings(settings: dict[str, datasets.DatasetSettings], alive: list[dict[str
                 "(SGLang without --enable-deterministic-inference): they are not reproducible"
             )
     return out
+
+
+def _quarantined(keys: Keys, counts: dict[str, int]) -> list[str]:
+    return [
+        f"{name}: {n:,} stream entries that were not a worker's result were quarantined "
+        f"({keys.dead_letter(name)}; `genq failed` lists them)"
+        for name, n in sorted(counts.items())
+    ]
 
 
 def _refusing_writes(conn: redis.Redis) -> list[str]:

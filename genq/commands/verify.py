@@ -21,11 +21,13 @@ import orjson
 import redis
 
 from genq import datasets, sources
+from genq.bitmaps import is_set
 from genq.commands.run_redis import has_private_redis, redis_of
 from genq.connection import connect
+from genq.entries import BadEntry, quarantined, read_entry
 from genq.keys import Keys
 from genq.queues import rq_queue
-from genq.schema import ERRORS, RAW, bit_index, entry_data, entry_record_id, parse_record_id
+from genq.schema import ERRORS, RAW, bit_index, parse_record_id
 from genq.settings import option, redis_options
 
 ID_AT_START = re.compile(rb'^\{"id":"([^"]+)"')  # genq writes the id first: no JSON parse needed
@@ -65,6 +67,8 @@ class Audit:
     duplicated: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
     command: str = ""
+    quarantined: int = 0  # stream entries that were not a worker's, in the dead letter (genq failed)
+    bad_entries: int = 0  # such entries still in the stream: the collector moves them there
 
     @property
     def ok(self) -> bool:
@@ -82,6 +86,8 @@ class Audit:
             "duplicated": len(self.duplicated),
             "duplicated_examples": self.duplicated[:EXAMPLES],
             "unreadable_lines": self.unreadable[:EXAMPLES],
+            "quarantined_entries": self.quarantined,
+            "bad_entries_in_stream": self.bad_entries,
             "put_back": self.command if self.missing else None,
             "ok": self.ok,
         }
@@ -117,12 +123,14 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
     def rq_index(job_id: bytes) -> int | None:  # queue lists hold job ids, registries job_id:execution
         return index_of(keys.record_id(job_id.decode().split(":")[0]) or "")
 
+    streamed, result.bad_entries = _stream_indexes(conn, keys, name, samples, enqueued or b"")
+    result.quarantined = quarantined(conn, keys).get(name, 0)
     states: dict[str, Bits] = {
         name_: Bits() for name_ in ("queued", "in_flight", "retrying", "done", "failed")
     }
     for state, indexes in (
         ("queued", map(rq_index, [*queued, *moving])),
-        ("in_flight", [*map(rq_index, started), *map(index_of, _stream_ids(conn, keys, name))]),
+        ("in_flight", [*map(rq_index, started), *streamed]),
         ("retrying", map(rq_index, scheduled)),
     ):
         for index in indexes:
@@ -179,13 +187,24 @@ def _set_bits(value: int, size: int) -> list[int]:
     return out
 
 
-def _stream_ids(conn: redis.Redis, keys: Keys, name: str) -> list[str]:
-    """Record ids of this dataset's results still in the stream (at most --stream-limit of them)."""
-    out = []
+def _stream_indexes(
+    conn: redis.Redis, keys: Keys, name: str, samples: int, known: bytes
+) -> tuple[list[int], int]:
+    """The job indexes of this dataset's results still in the stream, and how many of its entries
+    are not a worker's (genq/entries.py: the collector moves those to the dead letter), among them
+    any of a job never enqueued (``known``: the ``enqueued`` bitmap)."""
+    indexes, bad = [], 0
     for _, fields in conn.xrange(keys.results(name)):
-        if entry_data(fields).get("dataset") == name:
-            out.append(entry_record_id(fields))
-    return out
+        try:
+            index = read_entry(fields, name, samples).index
+        except BadEntry:
+            bad += 1
+            continue
+        if is_set(known, index):
+            indexes.append(index)
+        else:
+            bad += 1
+    return indexes, bad
 
 
 def _ids(path: Path):
@@ -225,6 +244,12 @@ def print_audit(result: Audit) -> None:
     if result.duplicated:
         shown = ", ".join(result.duplicated[:EXAMPLES])
         click.echo(f"{result.dataset}: DUPLICATED {len(result.duplicated):,} lines (e.g. {shown})", err=True)
+    if result.quarantined or result.bad_entries:
+        click.echo(
+            f"{result.dataset}: {result.quarantined:,} stream entries that were not a worker's result "
+            f"quarantined, {result.bad_entries:,} more in the stream (`genq failed` lists them)",
+            err=True,
+        )
     for where in result.unreadable[:EXAMPLES]:
         click.echo(f"{where}: a line without a record id of this dataset", err=True)
     click.echo(f"{result.dataset}: {'OK' if result.ok else 'NOT OK'}")
