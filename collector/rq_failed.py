@@ -11,14 +11,13 @@ import logging
 from collections.abc import Iterable, Mapping
 
 import redis
-from rq.job import Job
 from rq.registry import FailedJobRegistry
 
 from genq import datasets as datasets_mod
 from genq.bitmaps import is_set
 from genq.failures import reason_of
 from genq.keys import Keys
-from genq.queues import rq_queue
+from genq.queues import GenqJob, rq_queue
 from genq.schema import bit_index, error_record, parse_record_id
 
 log = logging.getLogger("genq.collector")
@@ -42,13 +41,15 @@ def errors(
             continue
         done = conn.get(keys.done(name)) or b""
         failed = conn.get(keys.failed(name)) or b""
+        # A job never enqueued (forged into the queue) gets no line: `genq failed` shows it.
+        enqueued = conn.get(keys.enqueued(name)) or b""
         for job_id in ids:
             rid = keys.record_id(job_id)
             parsed = parse_record_id(rid, name, samples) if rid else None
             if parsed is None:
                 continue
             index = bit_index(*parsed, samples)
-            if is_set(done, index) or is_set(failed, index):
+            if is_set(done, index) or is_set(failed, index) or not is_set(enqueued, index):
                 continue
             found.append((name, _error_of_failed(conn, keys, job_id, rid, name, *parsed)))
     return found
@@ -59,7 +60,7 @@ def _error_of_failed(
 ) -> dict:
     exc_string = source_id = None
     try:
-        job = Job.fetch(job_id, connection=conn, serializer="json")
+        job = GenqJob.fetch(job_id, connection=conn, serializer="json")
         source_id = (job.kwargs or {}).get("source_id")
         result = job.latest_result()
         exc_string = result.exc_string if result is not None else None

@@ -13,13 +13,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import redis
-from rq.job import Job
 from rq.registry import FailedJobRegistry
 
 from genq import datasets
 from genq.bitmaps import is_set
 from genq.keys import Keys
-from genq.queues import rq_queue
+from genq.queues import GenqJob, rq_queue
 from genq.schema import ABANDON_REQUEUES, bit_index, parse_record_id
 
 CLASS_RE = re.compile(r"^([a-z_]+): (.*)$", re.S)
@@ -62,7 +61,7 @@ def failures(conn: redis.Redis, keys: Keys, dataset: str | None = None) -> list[
         queue = rq_queue(conn, keys, name)
         ids = FailedJobRegistry(queue=queue, serializer="json").get_job_ids()
         failed_bits = conn.get(keys.failed(name)) or b""
-        for job_id, job in zip(ids, Job.fetch_many(ids, conn, serializer="json"), strict=True):
+        for job_id, job in zip(ids, GenqJob.fetch_many(ids, conn, serializer="json"), strict=True):
             result = job.latest_result() if job is not None else None
             error, message = reason_of(result.exc_string if result is not None else None)
             rid = keys.record_id(job_id) or job_id
@@ -99,7 +98,7 @@ def retry(conn: redis.Redis, keys: Keys, items: list[Failure]) -> tuple[int, int
             if not f.on_disk:
                 waiting += 1
                 continue
-            job = Job.fetch(f.job_id, connection=conn, serializer="json")
+            job = GenqJob.fetch(f.job_id, connection=conn, serializer="json")
             row, sample = parse_record_id(f.id, name, samples) or (None, None)
             with conn.pipeline() as pipe:
                 pipe.zrem(registry.key, job.id)

@@ -15,14 +15,14 @@ from __future__ import annotations
 import redis
 from rq import Queue, worker_registration
 from rq.executions import Execution, ExecutionRegistry
-from rq.job import Job, JobStatus
+from rq.job import JobStatus
 from rq.registry import StartedJobRegistry
 from rq.utils import parse_composite_key
 
 from genq import datasets
 from genq.clock import redis_time
 from genq.keys import Keys
-from genq.queues import rq_queue
+from genq.queues import GenqJob, rq_queue
 
 # An id in RQ's intermediate list that no worker started within this many reaper intervals (a
 # worker moves it out in milliseconds) was dropped by a worker that died between taking it and
@@ -73,7 +73,7 @@ def _forget_finished(conn: redis.Redis, registry: StartedJobRegistry, now: float
     if not members:
         return
     ids = [m.decode().split(":")[0] for m in members]
-    jobs = Job.fetch_many(ids, conn, serializer="json")
+    jobs = GenqJob.fetch_many(ids, conn, serializer="json")
     done = {JobStatus.FINISHED, JobStatus.FAILED}
     gone = [
         m
@@ -106,7 +106,7 @@ def _requeue_stranded(conn: redis.Redis, keys: Keys, queue: Queue, after_s: floa
             continue
         if now - float(seen[job_id]) < after_s:
             continue
-        job = Job.fetch_many([job_id.decode()], conn, serializer="json")[0]
+        job = GenqJob.fetch_many([job_id.decode()], conn, serializer="json")[0]
         waiting = job is not None and job.get_status(refresh=False) == JobStatus.QUEUED
         with conn.pipeline() as pipe:
             pipe.lrem(queue.intermediate_queue_key, 1, job_id)
@@ -131,8 +131,8 @@ def requeue_orphans(conn: redis.Redis, keys: Keys) -> int:
                 # RQ's names of the execution's hash and the job's executions (rq/executions.py)
                 execution = Execution(execution_id, job_id, conn).key
                 pipe.delete(execution, ExecutionRegistry.key_template.format(job_id))
-                if Job.exists(job_id, connection=conn):
-                    job = Job.fetch(job_id, connection=conn, serializer="json")
+                if GenqJob.exists(job_id, connection=conn):
+                    job = GenqJob.fetch(job_id, connection=conn, serializer="json")
                     queue._enqueue_job(job, pipeline=pipe, at_front=True)
                     count += 1
                 pipe.execute()

@@ -123,7 +123,34 @@ class JobSpec:
         return {k: v for k, v in data.items() if v is not None and v != {}}
 
     @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> JobSpec:
+    def from_kwargs(cls, kwargs: object) -> JobSpec:
+        """The payload of a job read from Redis, checked where it enters the worker: ValueError
+        names the field that is not what enqueue writes (a payload without ``max_new_tokens``
+        would otherwise fail every send, and go back to its queue for ever)."""
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"the job's kwargs are a {type(kwargs).__name__}, not an object")
+        unknown = sorted(set(kwargs) - _SPEC_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown field {unknown[0]!r}")
+        for name, kind in _SPEC_TYPES.items():
+            value = kwargs.get(name)
+            if value is None and name not in _REQUIRED:
+                continue
+            if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 0)):
+                raise ValueError(f"field {name!r} is {_brief(value)}, not {_KIND_WORDS[kind]}")
+        params = kwargs["sampling_params"]
+        most = params.get("max_new_tokens")
+        if not isinstance(most, int) or isinstance(most, bool) or most < 1:
+            raise ValueError(
+                f"sampling_params field 'max_new_tokens' is {_brief(most)}, not a whole number ≥ 1"
+            )
+        ids = kwargs.get("input_ids")
+        if ids is not None and not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
+            raise ValueError("field 'input_ids' holds something that is not a token id (a whole number ≥ 0)")
+        if ids is None and kwargs.get("text") is None and kwargs.get("messages") is None:
+            raise ValueError("no prompt: none of 'input_ids', 'text' or 'messages'")
         return cls(**kwargs)
 
     @property
@@ -133,6 +160,29 @@ class JobSpec:
     @property
     def prompt_length(self) -> int | None:
         return len(self.input_ids) if self.input_ids is not None else None
+
+
+_SPEC_FIELDS = frozenset(f.name for f in fields(JobSpec))
+_REQUIRED = frozenset({"dataset", "row", "sample", "id", "sampling_params"})
+# The type each field of a payload must have (a field not listed here is one of ``extra``'s).
+_SPEC_TYPES: dict[str, type] = {
+    "dataset": str, "row": int, "sample": int, "id": str, "sampling_params": dict, "input_ids": list,
+    "text": str, "source_id": str, "messages": list, "think": dict, "keep_prompt": bool, "turns": str,
+    "template": dict, "logprobs": int, "batch": dict, "tools": list, "chat_template_kwargs": dict,
+    "extra": dict,
+}  # fmt: skip
+_KIND_WORDS = {
+    str: "a string",
+    int: "a whole number ≥ 0",
+    dict: "an object",
+    list: "a list",
+    bool: "true or false",
+}
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "…"
 
 
 def cut_short(record: dict[str, Any]) -> bool:

@@ -266,7 +266,10 @@ def _error(t) -> dict:
 
 
 def _spec(namespace: str, row: int) -> dict:
-    return {"dataset": "contract", "row": row, "sample": 0, "id": f"contract-{row}", "sampling_params": {}}
+    return {
+        "dataset": "contract", "row": row, "sample": 0, "id": f"contract-{row}",
+        "sampling_params": {"max_new_tokens": 8}, "input_ids": [5, 6],
+    }  # fmt: skip
 
 
 def test_genq_fails_a_job_in_one_step_writing_what_rqs_own_worker_writes(conn, namespace):

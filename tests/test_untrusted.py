@@ -3,11 +3,17 @@ are not a worker's are quarantined and named, never a crash, never a line on dis
 
 from __future__ import annotations
 
+import http.server
+import threading
+
 import orjson
+from rq import Queue
+from rq.job import Job
+from rq.webhook import Webhook
 
 from genq.entries import KEPT_BYTES
 from genq.keys import Keys
-from tests.helpers import check_records, log_of, write_prompts
+from tests.helpers import check_records, log_of, read_jsonl, sim_stats, write_prompts
 
 PARAMS = {"max_new_tokens": 32}
 
@@ -83,3 +89,74 @@ def test_stream_entries_that_are_not_a_workers_are_quarantined(
     res = procs.run("verify", "--out", out)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"{len(garbage)} stream entries that were not a worker's result quarantined" in res.stderr
+
+
+class _Listener:
+    """A local HTTP server counting the requests it receives: where a forged webhook points."""
+
+    def __init__(self) -> None:
+        hits = self.hits = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                hits.append(self.path)
+                self.send_response(200)
+                self.end_headers()
+
+            do_POST = do_GET  # noqa: N815
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_forged_jobs_call_no_url_and_fail_once_with_their_reason(
+    procs, start_sim, conn, namespace, out, tmp_path
+):
+    """Jobs written into a dataset's queue by hand, with RQ webhooks pointing at a local listener:
+    one whose payload is not genq's, one without max_new_tokens, one of another dataset's name.
+    The worker fails each once, naming the field, sends nothing for them to the server, and
+    nothing reaches the listener; the real jobs all land, and no forged one gets a line on disk."""
+    sim = start_sim()
+    prompts = write_prompts(tmp_path / "good.jsonl", 12)
+    assert procs.run("enqueue", tmp_path / "good.jsonl", "--max-new-tokens", "32").returncode == 0
+    keys = Keys(namespace)
+    listener = _Listener()
+    hooks = [Webhook(listener.url, "failed", method="POST"), Webhook(listener.url, "finished")]
+    queue = Queue(keys.queue_name("good"), connection=conn, serializer="json")
+    real = {"dataset": "good", "sample": 0, "sampling_params": {"max_new_tokens": 8}, "input_ids": [5, 6]}
+    forged = {
+        "unknown field 'not_a_field'": {"not_a_field": 1},
+        "sampling_params field 'max_new_tokens' is None": {
+            **real,
+            "row": 100,
+            "id": "good-100",
+            "sampling_params": {},
+        },
+        "field 'dataset' is 'other'": {**real, "row": 101, "id": "good-101", "dataset": "other"},
+        "not the record id of job": {**real, "row": 102, "id": "good-7"},
+    }
+    rows = {why: 100 + n for n, why in enumerate(forged)}
+    for why, kwargs in forged.items():
+        job_id = keys.job_id(f"good-{rows[why]}")
+        queue.enqueue_call("genq.jobs.generate", kwargs=kwargs, job_id=job_id, webhooks=hooks)
+
+    worker = procs.start("worker", "--server", sim, "--burst")
+    assert worker.wait(120) == 0, log_of(worker)
+    collector = procs.start("collect", "--out", out, "--burst")
+    assert collector.wait(120) == 0, log_of(collector)
+    check_records(out, "good", prompts, PARAMS)
+    assert not (out / "good" / "errors.jsonl").exists() or not read_jsonl(out / "good" / "errors.jsonl")
+    # The prompts, and the worker's 1-token probe at start (genq/backends/sglang.py _probe_generate).
+    assert sim_stats(sim)["generations"] == len(prompts) + 1, "a forged job reached the server"
+    assert listener.hits == [], "a URL from Redis was called"
+    assert "carries webhooks" in log_of(worker)
+    failed = set(queue.failed_job_registry.get_job_ids())
+    for why, row in rows.items():
+        job = Job.fetch(keys.job_id(f"good-{row}"), connection=conn, serializer="json")
+        assert job.id in failed and job.get_status() == "failed"
+        assert why in job.latest_result().exc_string, (why, job.latest_result().exc_string)
+        assert sum(job.id in line for line in log_of(worker).splitlines() if "not a genq job" in line) == 1

@@ -188,7 +188,7 @@ def started_job(
     """The job as the take script left it, built from the three fields genq reads (Job.restore of
     the whole hash parses five dates a job). Enough to run, heartbeat and finish it; before RQ's
     own code saves it (a failure, a requeue) it is read whole with ``Job.refresh``."""
-    job = Job(job_id, connection=queue.connection, serializer=queue.serializer)
+    job = queue.job_class(job_id, connection=queue.connection, serializer=queue.serializer)
     try:
         job.data = zlib.decompress(data)
     except zlib.error:

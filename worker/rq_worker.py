@@ -39,7 +39,7 @@ from genq.allocation import slurm_job
 from genq.clock import RedisClock
 from genq.entries import stream_entry
 from genq.keys import Keys
-from genq.queues import count_unfinished
+from genq.queues import GenqJob, count_unfinished
 from genq.reaper import reap
 from genq.schema import KIND_ERROR, JobSpec, dumps, loads
 from worker import rq_batch
@@ -96,6 +96,7 @@ class Bookkeeper(BaseWorker):
             name=name,
             connection=conn,
             serializer="json",
+            job_class=GenqJob,
             worker_ttl=heartbeat_ttl,
             job_monitoring_interval=heartbeat_ttl,
         )
@@ -149,7 +150,9 @@ class Bookkeeper(BaseWorker):
                 log.warning("dataset %s: %s", name, why, extra=self.log_context())
         if names == self.queue_names():
             return
-        self.queues = [Queue(n, connection=self.connection, serializer=self.serializer) for n in names]
+        self.queues = [
+            Queue(n, connection=self.connection, serializer=self.serializer, job_class=GenqJob) for n in names
+        ]
         self._ordered_queues = self.queues[:]
         if self.birth_date is not None:
             with self.connection.pipeline() as pipe:
@@ -195,13 +198,24 @@ class Bookkeeper(BaseWorker):
                 p.job.meta = {}
                 self.connection.hset(p.job.key, "meta", p.job.serializer.dumps({}))
             try:
-                spec = JobSpec.from_kwargs(p.job.kwargs)
+                spec = self._spec(p.job, p.queue)
             except Exception as exc:  # noqa: BLE001 - a payload we cannot read fails, loudly
-                log.error("job %s: unreadable payload (%s); failing it", p.job_id, exc, extra=ctx)
-                self._fail_unreadable(p.job, p.queue, p.execution, str(exc))
+                why = str(exc) or type(exc).__name__
+                log.error("job %s: not a genq job's payload: %s; failing it", p.job_id, why, extra=ctx)
+                self._fail_unreadable(p.job, p.queue, p.execution, why)
                 continue
             taken.append(Taken(p.job, p.queue, p.execution, spec, p.crashes, p.attempt))
         return [self._dataset(q) for q in full], taken
+
+    def _spec(self, job: Job, queue: Queue) -> JobSpec:
+        """The job's payload, checked (JobSpec.from_kwargs), and its own: of the queue's dataset,
+        under the RQ id its record id makes. ValueError says what is not."""
+        spec = JobSpec.from_kwargs(job.kwargs)
+        if spec.dataset != self._dataset(queue):
+            raise ValueError(f"field 'dataset' is {spec.dataset!r}, in the queue of {self._dataset(queue)!r}")
+        if self.keys.job_id(spec.id) != job.id:
+            raise ValueError(f"field 'id' is {spec.id!r}, not the record id of job {job.id!r}")
+        return spec
 
     def _dataset(self, queue: Queue) -> str:
         return self.keys.dataset_of_queue(queue.name) or queue.name
@@ -364,7 +378,7 @@ class Bookkeeper(BaseWorker):
 
     def requeue(self, taken: list[Taken]) -> None:
         """Put jobs back at the front of their queues at once (graceful stop)."""
-        jobs = Job.fetch_many([t.job.id for t in taken], self.connection, serializer=self.serializer)
+        jobs = GenqJob.fetch_many([t.job.id for t in taken], self.connection, serializer=self.serializer)
         with self.connection.pipeline() as pipe:
             for t, job in zip(taken, jobs, strict=True):
                 t.execution.delete(job=t.job, pipeline=pipe)

@@ -53,6 +53,7 @@ from genq import datasets, failures
 from genq.commands.dashboard_guard import allowed_names, basic_auth, check_host, check_state_change
 from genq.connection import connect, redact
 from genq.keys import Keys, validate_name
+from genq.queues import GenqJob
 
 log = logging.getLogger("genq.dashboard")
 BLUEPRINT = "rq_dashboard"
@@ -145,7 +146,7 @@ def read(conn: Any, job_id: str) -> tuple[Job, bool]:
     Raises NoSuchJobError. RQ's ``Job.restore`` (rq/job.py) reads only plain fields, swallows a meta
     it cannot parse and leaves the data for later; parsing each here is what tells.
     """
-    job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    job = GenqJob.fetch(job_id, connection=conn, serializer=JSONSerializer)
     try:
         job.get_meta()  # read again and parsed: restore swallowed a failure
         job.args  # noqa: B018 (Job._deserialize_data)
@@ -279,7 +280,7 @@ def _retry(queue_name: str, job_id: str | None) -> tuple[Response, int]:
 
 def requeue_job(job_id: str) -> tuple[Response, int]:
     try:
-        job = Job.fetch(job_id, connection=current_app.redis_conn, serializer=JSONSerializer)
+        job = GenqJob.fetch(job_id, connection=current_app.redis_conn, serializer=JSONSerializer)
     except NoSuchJobError:
         return jsonify(status="ERROR", message=f"no job {job_id!r}"), 404
     return _retry(job.origin, job_id)
