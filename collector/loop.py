@@ -39,7 +39,7 @@ class Loop:
         self.give_up_after = give_up_after
         self._last_reap = 0.0
         self._standby_said = False
-        self.outage = Outage(log)
+        self.outage = Outage(log, collector.conn, collector.keys)
 
     def run(self, burst: bool) -> None:
         c = self.collector

@@ -190,3 +190,20 @@ class Keys:
     def worker_prefix(self) -> str:
         """RQ worker names start with this, so status can tell this namespace's workers apart."""
         return f"genq.{self.namespace}."
+
+    def types(self, datasets: list[str]) -> dict[str, str]:
+        """Each of genq's keys of the namespace and of ``datasets`` with the Redis type genq keeps
+        there (as TYPE names it): what a WRONGTYPE is checked against (genq/redis_errors.py)."""
+        shared = {
+            self.datasets: "hash", self.in_stream: "hash", self.quarantined: "hash", self.in_source: "hash",
+            self.attempts: "hash", self.spared: "hash", self.crashes: "hash", self.turns: "hash",
+            self.collector_offsets: "hash", self.maintenance_lock: "string",
+        }  # fmt: skip
+        for name in datasets:
+            shared.update({
+                self.results(name): "stream", self.dead_letter(name): "stream", self.enqueued(name): "string",
+                self.done(name): "string", self.failed(name): "string", self.rejected(name): "string",
+                self.sources(name): "hash", self.tokens(name): "hash", self.collector_lease(name): "string",
+                self.collector_ready(name): "string", self.enqueuing(name): "string",
+            })  # fmt: skip
+        return shared

@@ -2,9 +2,9 @@
 
 A Redis that cannot be reached, or that answers but refuses the command for a while (out of
 memory, its disk full, a demoted primary, a script running too long, its data still loading,
-genq's scripts flushed), is an outage: every role backs off and retries the same call until Redis
-takes it. Any other error reply (WRONGTYPE, a syntax error, NOPERM, ...) is a bug or a
-misconfiguration that waiting will not fix: it still fails loudly.
+genq's scripts flushed, one of genq's keys overwritten with another type), is an outage: every
+role backs off and retries the same call until Redis takes it. Any other error reply (a syntax
+error, NOPERM, ...) is a bug or a misconfiguration that waiting will not fix: it still fails loudly.
 
 redis-py (redis/_parsers/base.py, ``EXCEPTION_CLASSES``) turns some error codes into classes of
 their own (OutOfMemoryError "OOM", ReadOnlyError "READONLY", BusyLoadingError "LOADING",
@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import redis
 
 from genq import backoff
+from genq.keys import Keys
 
 T = TypeVar("T")
 
@@ -45,6 +46,10 @@ NOT_NOW = {
     "TRYAGAIN": "Redis asks to try again",
     "MASTERDOWN": "Redis has lost its primary",  # a replica with replica-serve-stale-data no
     "NOSCRIPT": "Redis has lost genq's scripts",  # SCRIPT FLUSH, or a restart without persistence
+    # One of genq's keys holds another type (written by hand, or by another program): no role may
+    # go on past it (a worker would generate results it cannot commit), and each resumes once the
+    # key is put right. The line names the key (``wrong_types``).
+    "WRONGTYPE": "a genq key in Redis holds the wrong type",
 }
 # The classes redis-py raises for a code it strips from the text (those of every version allowed).
 _CODES = (
@@ -140,12 +145,34 @@ def _reply(exc: redis.ResponseError) -> tuple[str, str]:
     return code, text
 
 
+def wrong_types(conn: redis.Redis, keys: Keys) -> str:
+    """Which of genq's keys hold another type than genq keeps there, in one line ("" if none):
+    a WRONGTYPE reply names no key, least of all from inside a script."""
+    try:
+        names = [n.decode("utf-8", "replace") for n in conn.hkeys(keys.datasets)]
+    except redis.ResponseError:
+        names = []
+    expected = keys.types(names)
+    with conn.pipeline(transaction=False) as pipe:
+        for key in expected:
+            pipe.type(key)
+        found = pipe.execute()
+    wrong = [
+        f"{key} is a {kind.decode()}, genq keeps a {want} there"
+        for (key, want), kind in zip(expected.items(), found, strict=True)
+        if kind not in (b"none", want.encode())
+    ]
+    return "; ".join(wrong)
+
+
 class Outage:
     """Says once when Redis stops taking a role's commands, and once when it takes them again;
-    :meth:`refused` is None for an error that is not "not now" (the caller raises it)."""
+    :meth:`refused` is None for an error that is not "not now" (the caller raises it). With a
+    connection and keys, a WRONGTYPE is said with the keys that hold the wrong type."""
 
-    def __init__(self, log: logging.Logger):
+    def __init__(self, log: logging.Logger, conn: redis.Redis | None = None, keys: Keys | None = None):
         self._log = log
+        self._conn, self._keys = conn, keys
         self._code: str | None = None  # what Redis said, while it refuses
         self._reason = ""
         self._since = 0.0
@@ -165,9 +192,16 @@ class Outage:
         if code != self._code:
             if self._code is None:
                 self._since = time.monotonic()
+            if code == "WRONGTYPE":
+                reason = f"{reason}: {self._wrong_keys()}"
             self._code, self._reason = code, reason
             self._log.warning("%s; retrying", reason, extra=extra)
         return reason
+
+    def _wrong_keys(self) -> str:
+        conn, keys = self._conn, self._keys
+        found = _quietly(lambda: wrong_types(conn, keys)) if conn is not None and keys is not None else ""
+        return found or "which key, genq cannot tell (not one of its own?)"
 
     def over(self, extra: dict | None = None) -> None:
         """The call went through: say so if Redis had been refusing."""
@@ -181,6 +215,14 @@ class Outage:
             extra=extra,
         )
         self._code = None
+
+
+def _quietly(fn: Callable[[], str]) -> str:
+    """What ``fn`` says, or nothing if Redis fails it too: a diagnosis never adds an error."""
+    try:
+        return fn()
+    except redis.RedisError:
+        return ""
 
 
 def fatal(exc: BaseException) -> str:

@@ -135,10 +135,10 @@ def enqueue_rows(
     """
     options = options or Options()
     lease = Lease(conn, keys.enqueuing(settings.name), keys.enqueue_epoch(settings.name), settings.name)
-    patiently(lambda: lease.acquire(report), Outage(log))  # before the bitmaps are read
+    patiently(lambda: lease.acquire(report), Outage(log, conn, keys))  # before the bitmaps are read
     try:
         if prints is not None:
-            patiently(lambda: prints.load(conn), Outage(log))
+            patiently(lambda: prints.load(conn), Outage(log, conn, keys))
         return _enqueue_leased(
             conn, keys, settings, rows, options, expected_rows, report, lease, prints, rejects
         )
@@ -303,7 +303,7 @@ class _Pusher:
         self.expected_jobs = expected_rows * settings.samples if expected_rows is not None else None
         self.batch: list[tuple[int, rq_jobs.Job]] = []
         self.rejected: list[int] = []
-        self.outage = Outage(log)
+        self.outage = Outage(log, conn, keys)
 
     def reject(self, row: int) -> None:
         """Remember a row refused here, so `genq verify` tells it from a row never enqueued."""
@@ -427,7 +427,7 @@ def enqueue_dataset(
     """
     wanted = datasets.settings_for(dataset, paths, sampling_params, samples, options.prompting())
     register = lambda: datasets.register(conn, keys, wanted, replace=replace_settings)  # noqa: E731
-    settings = patiently(register, Outage(log))  # HSETNX first: registering again changes nothing
+    settings = patiently(register, Outage(log, conn, keys))  # HSETNX first: registering again changes nothing
     if register_only:
         return Summary()
     expected = None

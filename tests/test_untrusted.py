@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import threading
+import time
 
 import orjson
 from rq import Queue
@@ -13,7 +14,16 @@ from rq.webhook import Webhook
 
 from genq.entries import KEPT_BYTES
 from genq.keys import Keys
-from tests.helpers import check_records, log_of, read_jsonl, sim_stats, write_prompts
+from tests.helpers import (
+    check_records,
+    finish_run,
+    log_of,
+    read_jsonl,
+    sim_stats,
+    wait_for_records,
+    wait_until,
+    write_prompts,
+)
 
 PARAMS = {"max_new_tokens": 32}
 
@@ -160,3 +170,41 @@ def test_forged_jobs_call_no_url_and_fail_once_with_their_reason(
         assert job.id in failed and job.get_status() == "failed"
         assert why in job.latest_result().exc_string, (why, job.latest_result().exc_string)
         assert sum(job.id in line for line in log_of(worker).splitlines() if "not a genq job" in line) == 1
+
+
+def test_a_genq_key_of_the_wrong_type_pauses_every_role_and_wastes_nothing(
+    procs, start_sim, conn, namespace, out, tmp_path
+):
+    """``in_stream`` replaced by a string mid-run: the collector and the worker each name the key
+    and its type in one line and wait (no exit, no crash loop); the worker starts no job while it
+    cannot commit, so nothing is generated to be thrown away; with the hash put back, the run ends
+    with every record once and the server did one generation per prompt."""
+    sim = start_sim("--latency", "realistic", "--decode-step-ms", "2")
+    prompts = write_prompts(tmp_path / "good.jsonl", 300)
+    assert procs.run("enqueue", tmp_path / "good.jsonl", "--max-new-tokens", "32").returncode == 0
+    keys = Keys(namespace)
+    collector = procs.start("collect", "--out", out)
+    worker = procs.start("worker", "--server", sim, "--concurrency", "8")
+    wait_for_records(procs, "good", 40, 60, in_flight=True)
+    saved = conn.hgetall(keys.in_stream)
+    with conn.pipeline() as pipe:  # one MULTI: no commit lands between the two
+        pipe.delete(keys.in_stream)
+        pipe.set(keys.in_stream, "not a hash")
+        pipe.execute()
+    said = f"{keys.in_stream} is a string, genq keeps a hash there"
+    wait_until(lambda: said in log_of(worker) and said in log_of(collector), 60, "both roles to name the key")
+    # Jobs in flight at the break finish and wait to commit; then none starts.
+    wait_until(lambda: sim_stats(sim)["in_flight"] == 0, 30, "the jobs in flight to finish")
+    paused = sim_stats(sim)["generations"]
+    time.sleep(3)
+    assert sim_stats(sim)["generations"] == paused, "the worker started jobs it could not commit"
+    assert worker.poll() is None and collector.poll() is None, "a role exited"
+    assert sum("WRONGTYPE" in line for line in log_of(worker).splitlines()) == 1, "said once, not per retry"
+    with conn.pipeline() as pipe:
+        pipe.delete(keys.in_stream)
+        pipe.hset(keys.in_stream, mapping=saved)
+        pipe.execute()
+    finish_run(procs, "good", len(prompts), 60, worker, collector)
+    check_records(out, "good", prompts, PARAMS)
+    # The prompts and the worker's 1-token probe: nothing was generated twice.
+    assert sim_stats(sim)["generations"] == len(prompts) + 1

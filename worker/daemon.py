@@ -70,7 +70,8 @@ class Worker:
         # The last takes' round trips: on a lossy link one in a few waits for a retransmission.
         self._take_s: deque[float] = deque([0.0], maxlen=16)
         self._ended: deque[float] = deque(maxlen=256)  # when the last jobs ended: the rate slots free
-        self.outage = Outage(log)  # Redis unreachable or refusing: no new job starts meanwhile
+        # Redis unreachable or refusing (a genq key of the wrong type too): no new job starts meanwhile.
+        self.outage = Outage(log, conn, keys)
         self._commits = GroupCommit(lambda *group: self.redis(self.books.commit, *group))
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()

@@ -19,7 +19,7 @@ from genq.commands.run_redis import out_option, redis_of
 from genq.commands.status import status
 from genq.connection import RedisURLError, connect
 from genq.keys import Keys
-from genq.redis_errors import fatal, not_now
+from genq.redis_errors import NOT_NOW, fatal, not_now
 from genq.settings import option, redis_options
 
 # Each role's command, imported only when it runs (click's lazily loaded subcommands): a worker
@@ -52,6 +52,8 @@ class LazyGroup(click.Group):
             reason = not_now(exc)
             if reason is None:
                 raise click.ClickException(fatal(exc)) from exc
+            if reason.startswith(NOT_NOW["WRONGTYPE"]):
+                raise click.ClickException(f"{reason}; the roles wait for it to be put right") from exc
             raise click.ClickException(
                 f"{reason.rstrip('.')}; is redis-server running where --redis (GENQ_REDIS_URL) points? "
                 "`genq run` starts a private one"

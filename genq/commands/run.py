@@ -352,7 +352,7 @@ def _follow(conn, keys: Keys, pool, collector, worker_argv, logs: Path, env) -> 
     first_done = None
     tty = sys.stderr.isatty()
     last_print = 0.0
-    outage = Outage(logging.getLogger("genq.run"))
+    outage = Outage(logging.getLogger("genq.run"), conn, keys)
     while True:
         # A Redis restarting (LOADING), busy or unreachable for a while is waited out.
         counts = patiently(lambda: progress.dataset_counts(conn, keys), outage)
