@@ -140,7 +140,7 @@ class Attempts:
         served, life = self.gate.served, self.gate.life
         tries.last_sent = sent = time.monotonic()
         try:
-            answer = await self.gate.backend.generate(
+            answer = await self.gate.backend.answer(
                 spec, rid, self.config.attempt_timeout(spec.max_new_tokens)
             )
         except asyncio.CancelledError:

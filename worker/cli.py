@@ -9,7 +9,7 @@ import sys
 import click
 import redis
 
-from genq.backends import NAMES, Http, split_credentials
+from genq.backends import MAX_BODY_MB, NAMES, Http, split_credentials
 from genq.connection import connect, wait_for_redis
 from genq.keys import Keys
 from genq.logs import logging_options, setup_logging
@@ -79,6 +79,12 @@ log = logging.getLogger("genq.worker")
     help="Seconds per attempt; default 120 + max_new_tokens / 8.",
 )
 @option(
+    "--max-response-mb",
+    type=click.IntRange(min=1),
+    default=MAX_BODY_MB,
+    help="Read no server answer past this many MiB: one that long is a bad_response, charged an attempt.",
+)
+@option(
     "--grace",
     type=click.FloatRange(min=0),
     default=60.0,
@@ -116,6 +122,7 @@ def worker_command(
     max_spared,
     max_crashes,
     request_timeout,
+    max_response_mb,
     grace,
     heartbeat_ttl,
     stream_limit,
@@ -155,12 +162,12 @@ def worker_command(
     conn = connect(redis_url)
     wait_for_redis(conn, redis_url)
     try:
-        asyncio.run(_run(conn, Keys(namespace), config, server))
+        asyncio.run(_run(conn, Keys(namespace), config, server, max_response_mb << 20))
     except redis.RedisError as exc:  # not an outage (genq/redis_errors.py): a bug, said in one line
         log.critical("%s", fatal(exc))
         sys.exit(4)
 
 
-async def _run(conn, keys: Keys, config: WorkerConfig, server: str) -> None:
-    async with Http(server, config.ceiling) as http:
+async def _run(conn, keys: Keys, config: WorkerConfig, server: str, max_body: int) -> None:
+    async with Http(server, config.ceiling, max_body) as http:
         await Worker(conn, keys, config, http).run()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from genq.backends.base import (
+    MAX_BODY_MB,
     Answer,
     AttemptError,
     Backend,
@@ -31,6 +32,7 @@ NAMES = ("auto", *BACKENDS)
 
 __all__ = [
     "BACKENDS",
+    "MAX_BODY_MB",
     "NAMES",
     "VLLM_SAMPLING_KEYS",
     "Answer",

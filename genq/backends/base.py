@@ -33,6 +33,10 @@ PROBE_TIMEOUT_S = 60.0
 # SGLang's /health runs a 1-token generation and gives up after 20 s (SGLANG_HEALTH_CHECK_TIMEOUT):
 # a busy server may take that long to say it is fine.
 HEALTH_TIMEOUT_S = 30.0
+# The largest answer body read (the worker's --max-response-mb): a 32k-token answer with top-20
+# logprobs is a few MiB of JSON; a body past this is not an answer, and is not read into memory.
+MAX_BODY_MB = 64
+MAX_BODY_BYTES = MAX_BODY_MB << 20
 
 
 class Cost(Enum):
@@ -129,6 +133,46 @@ class Answer:
     prompt_ids: list[int] | None = None  # the prompt as the server rendered it (chat APIs that say)
     logprobs: LogProbs | None = None  # when the job asked for them (genq/logprobs.py)
 
+    def check(self, spec: JobSpec, vocab_size: int | None, text_always: bool) -> None:
+        """Raise a ``bad_response`` AttemptError (an attempt charged: bounded like any other) if
+        this is not an answer the engine could have given ``spec``: a server's body is untrusted
+        input, and a wrong answer must never become a record. Output ids are token ids (whole
+        numbers in ``[0, vocab_size)`` when the vocabulary is known), no more of them than
+        ``max_new_tokens`` (every engine counts the stop token it generates among them: SGLang
+        scheduler's ``check_finished``, vLLM's ``max_tokens``, llama.cpp's ``n_predict``), a known
+        finish reason, token counts that are counts, and the text where the API always gives one."""
+        if self.finish_reason not in ("stop", "length"):
+            raise AttemptError(
+                "bad_response", f"finish_reason {_brief(self.finish_reason)}, not stop or length"
+            )
+        for name in ("prompt_tokens", "completion_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise AttemptError("bad_response", f"{name} is {_brief(value)}, not a count")
+        if text_always and not isinstance(self.text, str):
+            raise AttemptError("bad_response", f"the answer's text is {_brief(self.text)}, not a string")
+        if self.text is not None and not isinstance(self.text, str):
+            raise AttemptError("bad_response", f"the answer's text is {_brief(self.text)}, not a string")
+        ids = self.output_ids
+        if ids is None:
+            return
+        if not all(type(i) is int for i in ids) or (ids and min(ids) < 0):
+            bad = next(i for i in ids if type(i) is not int or i < 0)
+            raise AttemptError("bad_response", f"output_ids holds {_brief(bad)}, not a token id")
+        if vocab_size is not None and ids and max(ids) >= vocab_size:
+            raise AttemptError(
+                "bad_response", f"output id {max(ids)} is outside the vocabulary [0, {vocab_size})"
+            )
+        if len(ids) > spec.max_new_tokens:
+            raise AttemptError(
+                "bad_response", f"{len(ids)} output ids for a max_new_tokens of {spec.max_new_tokens}"
+            )
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "…"
+
 
 def split_credentials(url: str) -> tuple[str, str | None]:
     """``url`` without its userinfo, and the ``Authorization: Basic`` value it carried (a proxy in
@@ -151,10 +195,11 @@ class Http:
     httpx (decision 3): its CPU cost per request stays flat at hundreds in flight.
     """
 
-    def __init__(self, url: str, max_connections: int = 16) -> None:
+    def __init__(self, url: str, max_connections: int = 16, max_body: int = MAX_BODY_BYTES) -> None:
         base_url, self._basic = split_credentials(url)
         self.base_url = base_url.rstrip("/")
         self._max_connections = max_connections
+        self.max_body = max_body
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Http:
@@ -196,7 +241,7 @@ class Http:
                 async with self._session.request(
                     method, (at or self.base_url) + path, data=data, headers=self.headers(headers)
                 ) as resp:
-                    return resp.status, await resp.read(), resp.headers
+                    return resp.status, await self._read(resp), resp.headers
         except TimeoutError as exc:
             raise AttemptError("timeout", f"no response within {timeout:.0f} s") from exc
         except aiohttp.ClientConnectorError as exc:
@@ -208,6 +253,26 @@ class Http:
             raise AttemptError(
                 "connection", f"{type(exc).__name__}: {exc}", cost=Cost.SERVER, dropped=True
             ) from exc
+
+    async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The body, read no further than ``max_body`` bytes: a server's answer is untrusted, and
+        one that never ends must not take the worker's memory with it (the connection is closed)."""
+        limit = self.max_body
+        if resp.content_length is not None and resp.content_length <= limit:
+            return await resp.read()
+        chunks, size = [], 0
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > limit:
+                break
+            chunks.append(chunk)
+        if size > limit:
+            resp.close()
+            raise AttemptError(
+                "bad_response",
+                f"a body over {limit:,} bytes (the worker's --max-response-mb): not read further",
+            )
+        return b"".join(chunks)
 
     async def get_json(
         self, path: str, timeout: float = PROBE_TIMEOUT_S, at: str | None = None
@@ -231,6 +296,8 @@ class Backend(ABC):
     sends: ClassVar[str] = "ids"
     # Returns top-K log-probabilities per output token when a job asks (enqueue --logprobs).
     logprobs: ClassVar[bool] = False
+    # The API's answer always carries the text (a chat answer may be a tool call, or all reasoning).
+    text_always: ClassVar[bool] = True
 
     def __init__(self, http: Http, model: str | None = None) -> None:
         self.http = http
@@ -245,6 +312,12 @@ class Backend(ABC):
     @abstractmethod
     async def generate(self, spec: JobSpec, rid: str, timeout: float) -> Answer:
         """One send of ``spec`` under request id ``rid``; raise AttemptError on any failure."""
+
+    async def answer(self, spec: JobSpec, rid: str, timeout: float) -> Answer:
+        """:meth:`generate`, its answer checked (:meth:`Answer.check`) before anything is built of it."""
+        answer = await self.generate(spec, rid, timeout)
+        answer.check(spec, self.info.vocab_size if self.info is not None else None, self.text_always)
+        return answer
 
     async def abort(self, rid: str) -> None:  # noqa: B027 - most engines need nothing more
         """Stop the server's work on ``rid`` after giving up on it. Default: nothing beyond closing

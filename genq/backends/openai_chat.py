@@ -29,6 +29,7 @@ class OpenAIChat(Backend):
     sampling_keys = oai.CHAT_KEYS  # a vLLM server takes vLLM's too (oai.VLLM_SAMPLING_KEYS)
     health_path = "/v1/models"  # hosted APIs have no /health
     sends = "messages"
+    text_always = False  # content is null when the answer is a tool call, or reasoning only
 
     async def probe(self) -> ServerInfo:
         url = self.http.base_url
