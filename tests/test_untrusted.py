@@ -3,9 +3,13 @@ are not a worker's are quarantined and named, never a crash, never a line on dis
 
 from __future__ import annotations
 
+import http.client
 import http.server
+import re
 import threading
 import time
+import urllib.parse
+from pathlib import Path
 
 import orjson
 from rq import Queue
@@ -208,3 +212,111 @@ def test_a_genq_key_of_the_wrong_type_pauses_every_role_and_wastes_nothing(
     check_records(out, "good", prompts, PARAMS)
     # The prompts and the worker's 1-token probe: nothing was generated twice.
     assert sim_stats(sim)["generations"] == len(prompts) + 1
+
+
+class _Corrupting:
+    """An HTTP proxy in front of the simulator that spoils the first answers to /generate, one
+    way each (the worker's 1-token probe passes untouched), and passes everything else."""
+
+    SPOILS = ("too_long", "not_ids", "no_text", "huge", "huge_declared")
+
+    def __init__(self, upstream: str) -> None:
+        target = urllib.parse.urlsplit(upstream)
+        spoils = list(self.SPOILS)
+        self.spoiled: list[str] = []
+        lock = threading.Lock()
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                conn.request(self.command, self.path, body or None, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                data = resp.read()
+                conn.close()
+                spoil = None
+                if self.path == "/generate" and b"genq-probe" not in body and resp.status == 200:
+                    with lock:
+                        spoil = spoils.pop(0) if spoils else None
+                        if spoil:
+                            owner.spoiled.append(spoil)
+                if spoil in ("huge", "huge_declared"):
+                    self._huge(declared=spoil == "huge_declared")
+                    return
+                if spoil is not None:
+                    answer = orjson.loads(data)
+                    if spoil == "too_long":
+                        answer["output_ids"] = answer["output_ids"] + [7] * 40
+                    elif spoil == "not_ids":
+                        answer["output_ids"] = ["a", None, -5, 1_000_000_000]
+                    else:
+                        del answer["text"]
+                    data = orjson.dumps(answer)
+                self.send_response(resp.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _huge(self, declared: bool) -> None:
+                """100 MiB of an answer: chunked (its size unknown until read), or declared."""
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                if declared:
+                    self.send_header("Content-Length", str(100 << 20))
+                else:
+                    self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                chunk = b"x" * (1 << 20)
+                try:
+                    for _ in range(100):
+                        self.wfile.write(chunk if declared else b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    if not declared:
+                        self.wfile.write(b"0\r\n\r\n")
+                except OSError:
+                    pass  # the worker stopped reading: what it must do
+                self.close_connection = True
+
+            do_GET = do_POST = _forward  # noqa: N815
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_wrong_answers_from_the_server_are_never_records(procs, start_sim, conn, out, tmp_path):
+    """Answers with more output ids than max_new_tokens, ids that are not token ids, no text, and
+    a 100 MiB body (chunked, and declared): each is a bad_response naming what is wrong, charged
+    and sent again; every record is the server's true answer, once; the worker never holds the
+    big body (its peak memory stays far below it)."""
+    sim = start_sim()
+    proxy = _Corrupting(sim)
+    prompts = write_prompts(tmp_path / "good.jsonl", 40)
+    assert procs.run("enqueue", tmp_path / "good.jsonl", "--max-new-tokens", "32").returncode == 0
+    flags = ("--backend", "sglang", "--concurrency", "4", "--max-response-mb", "4")
+    worker = procs.start("worker", "--server", proxy.url, *flags)
+    collector = procs.start("collect", "--out", out)
+    wait_for_records(procs, "good", len(prompts), 60)
+    status = Path(f"/proc/{worker.pid}/status").read_text()
+    peak_mib = int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
+    assert peak_mib < 100, f"the worker peaked at {peak_mib:.0f} MiB: it read the 100 MiB body"
+    finish_run(procs, "good", len(prompts), 60, worker, collector)
+    check_records(out, "good", prompts, PARAMS)
+    assert proxy.spoiled == list(_Corrupting.SPOILS)
+    log = log_of(worker)
+    assert re.search(r"\d+ output ids for a max_new_tokens of 32", log), log[-3000:]
+    for words in (
+        "output_ids holds 'a', not a token id",
+        "the answer's text is None, not a string",
+        "a body over 4,194,304 bytes",
+    ):
+        assert words in log, (words, log[-3000:])
+    records = read_jsonl(out / "good" / "raw_responses.jsonl")
+    assert sum(r["attempts"] for r in records) == len(prompts) + len(_Corrupting.SPOILS)
+    assert sim_stats(sim)["generations"] == len(prompts) + 1 + len(_Corrupting.SPOILS)
