@@ -12,7 +12,7 @@ import redis
 
 from collector import metrics
 from collector.leases import LeaseHeld
-from collector.loop import Loop
+from collector.loop import Loop, Stopped
 from collector.writer import Collector, WriteFailed
 from genq.connection import connect, wait_for_redis
 from genq.keys import Keys, validate_name
@@ -88,6 +88,13 @@ def collect_command(
     log.info("collector %s: draining %s of namespace %r into %s", collector.lease_id, which, namespace, out)
     try:
         Loop(collector, stop, give_up_after).run(burst)
+    except Stopped as exc:
+        # Its leases lapse on their own: releasing them may wait on the very thing that failed.
+        log.warning(
+            "collector: stopped while waiting (%s): nothing unwritten was acknowledged, it waits in Redis",
+            exc,
+        )
+        return
     except LeaseHeld as exc:
         log.error("%s", exc)
         sys.exit(2)

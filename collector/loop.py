@@ -29,6 +29,11 @@ CLAIM_EVERY_S = 2.0
 LINGER_S = 0.05
 
 
+class Stopped(Exception):
+    """SIGTERM came while a call waited out a failure (Redis, the disk): nothing unwritten was
+    acknowledged, so the collector may exit at once; the message says what it was waiting for."""
+
+
 class Loop:
     """The collector's main loop, riding out Redis restarts, a Redis that refuses commands for a
     while (out of memory, its disk full, ...) and a disk that refuses writes."""
@@ -101,13 +106,27 @@ class Loop:
                     self.outage.over()
                 return result
             except redis.RedisError as exc:  # unreachable, or refusing for now (genq/redis_errors.py)
-                if self.outage.refused(exc) is None or (self.stop and failing_since is not None):
+                why = self.outage.refused(exc)
+                if why is None:
                     raise
             except Stale as exc:  # Redis kept losing writes while the files were re-read
+                why = str(exc)
                 log.warning("%s; re-reading the files again in %.1f s", exc, delay)
             except (WriteFailed, OSError) as exc:
+                why = str(exc)
                 log.error("%s; nothing of it was acknowledged, retrying in %.1f s", exc, delay)
                 if failing_since is not None and time.monotonic() - failing_since > self.give_up_after:
                     raise
             failing_since = failing_since if failing_since is not None else time.monotonic()
-            time.sleep(delay)
+            self._sleep(delay, why)
+
+    def _sleep(self, seconds: float, why: str) -> None:
+        """Wait before the next try, but raise Stopped as soon as a stop is asked for."""
+        deadline = time.monotonic() + seconds
+        while True:
+            if self.stop:
+                raise Stopped(why)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(0.2, left))

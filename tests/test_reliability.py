@@ -4,6 +4,7 @@ and operators' tools run the wrong way. Each test checks the invariants on the f
 from __future__ import annotations
 
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -246,6 +247,43 @@ def test_collector_on_a_full_disk_acknowledges_nothing_and_exits_nonzero(procs, 
     raw = out / "full" / "raw_responses.jsonl"
     written = read_jsonl(raw)  # whole lines only, no torn one
     assert 0 < len(written) < 300
+    status = status_json(procs)
+    assert status["datasets"]["full"]["done"] == len(written), "only what is on disk is marked done"
+    assert status["stream"]["length"] == 300 - len(written), "nothing unwritten was acknowledged"
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    check_records(out, "full", prompts, PARAMS)
+
+
+def test_sigterm_stops_a_collector_waiting_on_a_full_disk(procs, start_sim, out, tmp_path):
+    """docs/failures.md: SIGTERM ends a collector within a second even while its disk refuses
+    writes (it waits between tries in slices that look at the stop), exit 0, nothing acknowledged
+    that is not on disk; a collector started later writes the rest."""
+    url = start_sim()
+    data = tmp_path / "full.jsonl"
+    prompts = write_prompts(data, 300)
+    assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
+    worker = procs.start("worker", "--server", url, "--burst")
+    assert worker.wait(120) == 0, log_of(worker)
+
+    def small_disk() -> None:  # writes past 150 kB fail with EFBIG, as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, 150_000))
+
+    log = tmp_path / "full-collector.log"
+    with log.open("wb") as fh:
+        collector = subprocess.Popen(
+            genq_argv("collect", "--out", out, "--give-up-after", "600", "--batch", "10"),
+            env=procs.env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            preexec_fn=small_disk,
+        )
+    procs.procs.append(collector)
+    # Past the first tries: the collector now sleeps for seconds between them.
+    wait_until(lambda: log.read_text().count("nothing of it was acknowledged") >= 4, 60, "the disk to refuse")
+    collector.send_signal(signal.SIGTERM)
+    assert collector.wait(5) == 0, log.read_text()
+    assert "stopped while waiting" in log.read_text()
+    written = read_jsonl(out / "full" / "raw_responses.jsonl")
     status = status_json(procs)
     assert status["datasets"]["full"]["done"] == len(written), "only what is on disk is marked done"
     assert status["stream"]["length"] == 300 - len(written), "nothing unwritten was acknowledged"
