@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import click
 import redis
 
-from genq import backends, datasets, sources
+from genq import backends, backoff, datasets, sources
 from genq.connection import HASH_VALUE_LIMIT, connect, redact, wait_for_redis
 from genq.keys import Keys, validate_name
 from genq.sampling import FLAGGED, Sampling, SamplingError, sampling_options
@@ -245,7 +246,7 @@ def enqueue_command(
     accepted = backends.BACKENDS[backend].sampling_keys if backend in backends.BACKENDS else None
     if server:
         try:
-            info = backends.probe(server, backend)
+            info = _probe_patiently(server, backend)
         except (backends.ServerRefused, backends.AttemptError) as exc:
             bare = backends.split_credentials(server)[0]
             hint = (
@@ -465,3 +466,26 @@ def print_summary(name: str, summary: Summary) -> None:
 def enqueue_main() -> None:
     """Entry point of the `enqueue` script."""
     sys.exit(enqueue_command.main(prog_name="enqueue"))
+
+
+# How long enqueue --server waits out a server that fails its limits probe for now (a 500, a 503 while
+# it starts, a timeout, a refused connection while it restarts) before it gives up with one line.
+PROBE_PATIENCE_S = 60.0
+
+
+def _probe_patiently(server: str, backend: str) -> backends.ServerInfo:
+    """``backends.probe``, its transient failures retried with backoff for PROBE_PATIENCE_S, as a
+    worker retries them; a refusal (wrong engine, bad key, a 400) at once."""
+    deadline = time.monotonic() + PROBE_PATIENCE_S
+    for delay in backoff.doubling(0.5, 8.0):
+        try:
+            return backends.probe(server, backend)
+        except backends.AttemptError as exc:
+            if exc.cost in (backends.Cost.FATAL, backends.Cost.AUTH) or time.monotonic() + delay > deadline:
+                raise
+            bare = backends.split_credentials(server)[0]
+            click.echo(
+                f"enqueue: {bare} failed its limits probe ({exc}); retrying in {delay:.1f} s", err=True
+            )
+            time.sleep(delay)
+    raise AssertionError("unreachable")  # doubling() never ends

@@ -220,9 +220,10 @@ class _Corrupting:
 
     SPOILS = ("too_long", "not_ids", "no_text", "huge", "huge_declared")
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, spoils: tuple[str, ...] = SPOILS, fail_first: int = 0) -> None:
         target = urllib.parse.urlsplit(upstream)
-        spoils = list(self.SPOILS)
+        spoils = list(spoils)
+        failing = [fail_first]
         self.spoiled: list[str] = []
         lock = threading.Lock()
         owner = self
@@ -232,6 +233,15 @@ class _Corrupting:
 
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with lock:
+                    fail, failing[0] = failing[0] > 0, failing[0] - 1
+                if fail:  # a transient 500, whatever was asked
+                    data = b'{"error": "transient"}'
+                    self.send_response(500)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
                 conn.request(self.command, self.path, body or None, {"Content-Type": "application/json"})
                 resp = conn.getresponse()
@@ -320,3 +330,14 @@ def test_wrong_answers_from_the_server_are_never_records(procs, start_sim, conn,
     records = read_jsonl(out / "good" / "raw_responses.jsonl")
     assert sum(r["attempts"] for r in records) == len(prompts) + len(_Corrupting.SPOILS)
     assert sim_stats(sim)["generations"] == len(prompts) + 1 + len(_Corrupting.SPOILS)
+
+
+def test_enqueue_waits_out_a_transient_error_of_the_limits_probe(procs, start_sim, tmp_path):
+    """`enqueue --server` whose server answers its first requests with a 500 (restarting, say):
+    it retries them as a worker would, says so, and enqueues; a refusal still ends it at once."""
+    proxy = _Corrupting(start_sim(), spoils=(), fail_first=3)
+    write_prompts(tmp_path / "p.jsonl", 5)
+    res = procs.run("enqueue", tmp_path / "p.jsonl", "--max-new-tokens", "8", "--server", proxy.url)
+    assert res.returncode == 0, res.stderr
+    assert "failed its limits probe (unavailable 500: " in res.stderr, res.stderr
+    assert "enqueued 5" in res.stdout

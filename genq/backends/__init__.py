@@ -38,6 +38,7 @@ __all__ = [
     "Answer",
     "AttemptError",
     "Backend",
+    "Cost",
     "Http",
     "ServerInfo",
     "ServerRefused",
@@ -57,13 +58,21 @@ async def detect(http: Http) -> type[Backend]:
         status, info = await http.get_json("/get_server_info")
     if status == 200 and (is_router(info) or isinstance(info, dict) and "max_req_input_len" in info):
         return SGLang  # an SGLang server, or SGLang's router in front of some (sglang_router.py)
+    failing = [status] if status >= 500 else []  # an engine that could not say now what it is
     status, version = await http.get_json("/version")
     if status == 200 and isinstance(version, dict) and "version" in version:
         return VLLM
+    failing += [status] if status >= 500 else []
     status, props = await http.get_json("/props")
     if status == 200 and isinstance(props, dict) and "default_generation_settings" in props:
         return LlamaCpp
+    failing += [status] if status >= 500 else []
     status, models = await http.get_json("/v1/models")
+    if failing:  # SGLang and vLLM serve /v1/models too: only a server that said what it is not is "chat"
+        raise AttemptError(
+            "unavailable", f"{http.base_url} answers {failing[0]} while genq asks what it is", failing[0],
+            cost=Cost.FREE, down=True,
+        )  # fmt: skip
     if status == 200 and isinstance(models, dict) and models.get("data"):
         return OpenAIChat
     if status in (401, 403):
