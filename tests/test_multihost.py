@@ -157,6 +157,10 @@ class Cluster:
         bits = self.conn.get(self.keys.done(dataset)) or b""
         return {i for i in range(len(bits) * 8) if is_set(bits, i)}
 
+    def failed_rows(self, dataset: str) -> set[int]:
+        bits = self.conn.get(self.keys.failed(dataset)) or b""
+        return {i for i in range(len(bits) * 8) if is_set(bits, i)}
+
     def started(self, dataset: str) -> dict[str, str]:
         """Job id -> the worker running it, for every execution in RQ's started registry (a lapsed
         one stays there until the reaper takes it out)."""
@@ -363,7 +367,16 @@ def test_a_worker_cut_off_from_its_own_server(cluster, tmp_path, report):
     c.net.restore(c.h["gpu1srv"])
     wait_until(lambda: "is up again" in log(gpu1), 90, "gpu1 to see its server again")
     up = since(t1)
-    wait_until(lambda: {c.row(j) for j in held} <= c.done_rows("server"), 90, "gpu1's held jobs on disk")
+    rows = {c.row(j) for j in held}
+    try:
+        wait_until(
+            lambda: rows <= c.done_rows("server") | c.failed_rows("server"), 90, "gpu1's held jobs on disk"
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; gpu1's log ends:\n{log(gpu1)[-4000:]}") from None
+    failed = sorted(rows & c.failed_rows("server"))
+    said = [line for line in log(gpu1).splitlines() if any(f"server-{row} " in line for row in failed[:3])]
+    assert not failed, f"gpu1's held jobs of rows {failed[:10]} failed (an attempt charged): {said[-6:]}"
     resumed = since(t1)
     wait_until(lambda: c.done("server") == 1500, 180, "every record on disk")
     c.adds_up("server", 1500)
