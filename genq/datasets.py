@@ -32,6 +32,28 @@ class DatasetSettings:
     # markers, ...): only the settings that differ from the defaults, so older recipes still match.
     prompting: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """Settings read from Redis or a file are untrusted input: each field of the type genq
+        writes (every role computes job positions from ``samples``), else ValueError naming it."""
+        checks = (
+            (
+                "samples",
+                isinstance(self.samples, int) and not isinstance(self.samples, bool) and self.samples >= 1,
+            ),
+            ("sampling_params", isinstance(self.sampling_params, dict)),
+            ("sources", isinstance(self.sources, list) and all(isinstance(x, str) for x in self.sources)),
+            ("created_at", isinstance(self.created_at, str)),
+            ("prompting", isinstance(self.prompting, dict)),
+        )
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"field {name!r} is {getattr(self, name)!r:.60}, not what genq writes")
+        most = self.sampling_params.get("max_new_tokens")
+        if not isinstance(most, int) or isinstance(most, bool) or most < 1:
+            raise ValueError(
+                f"sampling_params field 'max_new_tokens' is {most!r:.60}, not a whole number ≥ 1"
+            )
+
     def recipe(self) -> dict[str, Any]:
         """What must match between two enqueues of the same dataset."""
         recipe = {"samples": self.samples, "sampling_params": self.sampling_params}

@@ -100,6 +100,8 @@ def test_stream_entries_that_are_not_a_workers_are_quarantined(
     status = orjson.loads(procs.run("status", "--json").stdout)
     assert status["quarantined"] == {"good": len(garbage)}
     assert any("quarantined" in w for w in status["warnings"])
+    res = procs.run("monitor", "--once", "--width", "120")
+    assert f"quarantined stream entries: {len(garbage)}" in res.stdout, res.stdout
     res = procs.run("verify", "--out", out)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"{len(garbage)} stream entries that were not a worker's result quarantined" in res.stderr

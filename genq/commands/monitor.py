@@ -213,9 +213,23 @@ def frame(data: dict[str, Any], groups: list[failures.Group], url: str, at: floa
         workers_table(data),
         Text(""),
         failures_table(groups),
+        *quarantined_line(data),
         Text(""),
         lag_line(data),
     )
+
+
+def quarantined_line(data: dict[str, Any]) -> list[RenderableType]:
+    """Stream entries that were not a worker's result, moved to their dead letters (genq/entries.py)."""
+    n = sum(data.get("quarantined", {}).values())
+    if not n:
+        return []
+    return [
+        Text(
+            f"quarantined stream entries: {count(n)} (not a worker's result; `genq failed` lists them)",
+            style="red",
+        )
+    ]
 
 
 def unreachable(url: str, exc: Exception, at: float, reason: str | None = None) -> RenderableType:
