@@ -19,7 +19,7 @@ import redis
 from genq import progress
 from genq.commands.embedded import EmbeddedRedis
 from genq.keys import Keys
-from genq.redis_errors import not_now
+from genq.redis_errors import NOT_NOW, not_now
 from tests.helpers import (
     assert_adds_up,
     assert_verified,
@@ -63,7 +63,8 @@ def _error(fn: Callable[[], object]) -> Exception:
 
 def test_error_replies_are_classified_wherever_redis_py_puts_them(own_redis, tmp_path):
     """Real replies of a real Redis: refused plainly, inside MULTI, inside a Lua script, and at
-    EXEC; a WRONGTYPE (a bug) is not "not now", in a pipeline or not."""
+    EXEC; a WRONGTYPE is "not now" (a key put wrong by hand, waited out until it is put right), a
+    bug is not, in a pipeline or not."""
     server, conn = own_redis
     script = conn.register_script("return redis.call('SET', KEYS[1], ARGV[1])")
     conn.set("big", "x" * 200_000)
@@ -98,16 +99,26 @@ def test_error_replies_are_classified_wherever_redis_py_puts_them(own_redis, tmp
     assert not_now(_error(in_multi)) == misconf
     assert not_now(_error(lambda: script(keys=["k"], args=["v"]))) == misconf
     _restore_misconf(conn, server)
+    # A key of the wrong type (a genq key overwritten by hand): waited out too, until it is put right.
     conn.set("str", "x")
-    assert not_now(_error(lambda: conn.hget("str", "f"))) is None
+    wrong = not_now(_error(lambda: conn.hget("str", "f")))
+    assert wrong and wrong.startswith(f"{NOT_NOW['WRONGTYPE']}: WRONGTYPE ") and wrong.count("WRONGTYPE") == 1
 
     def wrong_in_pipeline() -> None:
         with conn.pipeline() as pipe:
             pipe.hget("str", "f")
             pipe.execute()
 
-    assert not_now(_error(wrong_in_pipeline)) is None
+    assert not_now(_error(wrong_in_pipeline)) == wrong
+    # A bug is not "not now", in a pipeline or not.
     assert not_now(_error(lambda: conn.execute_command("NOSUCHCOMMAND"))) is None
+
+    def bug_in_pipeline() -> None:
+        with conn.pipeline() as pipe:
+            pipe.execute_command("SET", "only-a-key")
+            pipe.execute()
+
+    assert not_now(_error(bug_in_pipeline)) is None
     conn.script_flush()
     assert not_now(_error(lambda: conn.evalsha(script.sha, 1, "k", "v")))
     assert script(keys=["k"], args=["v"]) == b"OK", "redis-py's Script loads its script again"
@@ -327,17 +338,22 @@ def test_an_enqueue_goes_on_after_an_oom_longer_than_its_lease(own_redis, procs,
 
 @pytest.mark.timeout(120)
 def test_an_error_reply_that_is_a_bug_fails_in_one_line(own_redis, procs, out):
-    """WRONGTYPE where genq keeps its datasets' settings: not waited out, said in one line."""
+    """A reply no wait fixes (NOPERM: the Redis user may not write genq's keys) is said in one
+    line by a command and ends a role with exit 4, no traceback; a genq key of the wrong type is
+    named with the type genq keeps there."""
     _, conn = own_redis
-    conn.set(Keys(procs.env["GENQ_NAMESPACE"]).datasets, "not a hash")
-    res = procs.run("status")
-    assert res.returncode == 1
-    assert res.stderr.strip().count("\n") == 0 and "WRONGTYPE" in res.stderr, res.stderr
-    assert "does not wait out" in res.stderr
-    collector = procs.start("collect", "--out", out)
+    keys = Keys(procs.env["GENQ_NAMESPACE"])
+    conn.execute_command("ACL", "SETUSER", "reader", "on", ">reader-pw", "~*", "&*", "+@all", "-@write")
+    reader = {**procs.env, "GENQ_REDIS_URL": procs.env["GENQ_REDIS_URL"].replace("://", "://reader@", 1)}
+    reader["GENQ_REDIS_PASSWORD"] = "reader-pw"
+    collector = procs.start("collect", "--out", out, env=reader)
     assert collector.wait(60) == 4, log_of(collector)
     log = log_of(collector)
-    assert "Traceback" not in log and "WRONGTYPE" in log and "does not wait out" in log, log
+    assert "Traceback" not in log and "does not wait out" in log, log
+    conn.set(keys.datasets, "not a hash")
+    res = procs.run("status")
+    assert res.returncode == 1 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert f"{NOT_NOW['WRONGTYPE']}: WRONGTYPE" in res.stderr and "the roles wait" in res.stderr, res.stderr
 
 
 def test_a_background_task_that_dies_is_logged_and_started_again(caplog):
