@@ -221,7 +221,9 @@ def test_redis_restart_every_role_carries_on(procs, start_sim, out, tmp_path):
         server.stop()
 
 
-def test_collector_on_a_full_disk_acknowledges_nothing_and_exits_nonzero(procs, start_sim, out, tmp_path):
+def _collector_on_a_small_disk(procs, start_sim, out, tmp_path, give_up_after: str):
+    """300 results waiting in the stream, and a collector whose writes past 150 kB fail with EFBIG,
+    as on a full disk; (the prompts, the collector, its log file)."""
     url = start_sim()
     data = tmp_path / "full.jsonl"
     prompts = write_prompts(data, 300)
@@ -229,23 +231,26 @@ def test_collector_on_a_full_disk_acknowledges_nothing_and_exits_nonzero(procs, 
     worker = procs.start("worker", "--server", url, "--burst")
     assert worker.wait(120) == 0, log_of(worker)
 
-    def small_disk() -> None:  # writes past 150 kB fail with EFBIG, as on a full disk
+    def small_disk() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, 150_000))
 
     log = tmp_path / "full-collector.log"
     with log.open("wb") as fh:
         collector = subprocess.Popen(
-            genq_argv("collect", "--out", out, "--give-up-after", "3", "--batch", "10"),
+            genq_argv("collect", "--out", out, "--give-up-after", give_up_after, "--batch", "10"),
             env=procs.env,
             stdout=fh,
             stderr=subprocess.STDOUT,
             preexec_fn=small_disk,
         )
-    assert collector.wait(60) == 3, log.read_text()
-    text = log.read_text()
-    assert "nothing of it was acknowledged" in text and "giving up" in text
-    raw = out / "full" / "raw_responses.jsonl"
-    written = read_jsonl(raw)  # whole lines only, no torn one
+    procs.procs.append(collector)
+    return prompts, collector, log
+
+
+def _only_what_is_on_disk_was_acknowledged(procs, out, prompts) -> None:
+    """The lines written are whole and marked done, the rest still in the stream; a collector on a
+    sound disk then writes every record once."""
+    written = read_jsonl(out / "full" / "raw_responses.jsonl")  # whole lines only, no torn one
     assert 0 < len(written) < 300
     status = status_json(procs)
     assert status["datasets"]["full"]["done"] == len(written), "only what is on disk is marked done"
@@ -254,41 +259,25 @@ def test_collector_on_a_full_disk_acknowledges_nothing_and_exits_nonzero(procs, 
     check_records(out, "full", prompts, PARAMS)
 
 
+def test_collector_on_a_full_disk_acknowledges_nothing_and_exits_nonzero(procs, start_sim, out, tmp_path):
+    prompts, collector, log = _collector_on_a_small_disk(procs, start_sim, out, tmp_path, "3")
+    assert collector.wait(60) == 3, log.read_text()
+    text = log.read_text()
+    assert "nothing of it was acknowledged" in text and "giving up" in text
+    _only_what_is_on_disk_was_acknowledged(procs, out, prompts)
+
+
 def test_sigterm_stops_a_collector_waiting_on_a_full_disk(procs, start_sim, out, tmp_path):
     """docs/failures.md: SIGTERM ends a collector within a second even while its disk refuses
     writes (it waits between tries in slices that look at the stop), exit 0, nothing acknowledged
     that is not on disk; a collector started later writes the rest."""
-    url = start_sim()
-    data = tmp_path / "full.jsonl"
-    prompts = write_prompts(data, 300)
-    assert procs.run("enqueue", data, "--max-new-tokens", "200").returncode == 0
-    worker = procs.start("worker", "--server", url, "--burst")
-    assert worker.wait(120) == 0, log_of(worker)
-
-    def small_disk() -> None:  # writes past 150 kB fail with EFBIG, as on a full disk
-        resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, 150_000))
-
-    log = tmp_path / "full-collector.log"
-    with log.open("wb") as fh:
-        collector = subprocess.Popen(
-            genq_argv("collect", "--out", out, "--give-up-after", "600", "--batch", "10"),
-            env=procs.env,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            preexec_fn=small_disk,
-        )
-    procs.procs.append(collector)
+    prompts, collector, log = _collector_on_a_small_disk(procs, start_sim, out, tmp_path, "600")
     # Past the first tries: the collector now sleeps for seconds between them.
     wait_until(lambda: log.read_text().count("nothing of it was acknowledged") >= 4, 60, "the disk to refuse")
     collector.send_signal(signal.SIGTERM)
     assert collector.wait(5) == 0, log.read_text()
     assert "stopped while waiting" in log.read_text()
-    written = read_jsonl(out / "full" / "raw_responses.jsonl")
-    status = status_json(procs)
-    assert status["datasets"]["full"]["done"] == len(written), "only what is on disk is marked done"
-    assert status["stream"]["length"] == 300 - len(written), "nothing unwritten was acknowledged"
-    assert procs.run("collect", "--out", out, "--burst").returncode == 0
-    check_records(out, "full", prompts, PARAMS)
+    _only_what_is_on_disk_was_acknowledged(procs, out, prompts)
 
 
 @pytest.mark.parametrize("serializer_flag", [(), ("-S", "json")])

@@ -149,9 +149,7 @@ class Answer:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise AttemptError("bad_response", f"{name} is {_brief(value)}, not a count")
-        if text_always and not isinstance(self.text, str):
-            raise AttemptError("bad_response", f"the answer's text is {_brief(self.text)}, not a string")
-        if self.text is not None and not isinstance(self.text, str):
+        if (text_always or self.text is not None) and not isinstance(self.text, str):
             raise AttemptError("bad_response", f"the answer's text is {_brief(self.text)}, not a string")
         ids = self.output_ids
         if ids is None:
