@@ -3,6 +3,7 @@ and operators' tools run the wrong way. Each test checks the invariants on the f
 
 from __future__ import annotations
 
+import re
 import resource
 import signal
 import subprocess
@@ -217,6 +218,47 @@ def test_redis_restart_every_role_carries_on(procs, start_sim, out, tmp_path):
         assert collector.wait(120) == 0, log_of(collector)
         check_records(out, "restart", prompts, PARAMS)
         assert_adds_up(status_json(procs, env))
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_while_redis_is_out_of_reach_stops_each_role_in_bounds(procs, start_sim, out, tmp_path):
+    """docs/failures.md: a SIGTERM while Redis cannot be reached ends the collector at once (exit 0)
+    and the worker by --grace + STOP_SLACK_S (exit 1, saying what it could not hand back), not
+    whenever Redis returns. Started again once it is back, they write every prompt once, and the
+    server generated again at most what was in flight when Redis went away."""
+    server = EmbeddedRedis(tmp_path / "redis")
+    env = {"GENQ_REDIS_URL": server.start()}
+    sim = start_sim("--latency", "realistic", "--decode-step-ms", "5")
+    data = tmp_path / "unreachable.jsonl"
+    prompts = write_prompts(data, 300)
+    try:
+        assert procs.run("enqueue", data, "--max-new-tokens", "200", env=env).returncode == 0
+        collector = procs.start("collect", "--out", out, env=env)
+        worker_flags = ("--server", sim, "--concurrency", "16", "--heartbeat-ttl", "5")
+        worker = procs.start("worker", *worker_flags, "--grace", "2", env=env)
+        raw = out / "unreachable" / "raw_responses.jsonl"
+        wait_until(lambda: len(written_lines(raw)) >= 50, 60, "progress")
+        server.stop()
+        for role in (worker, collector):
+            wait_until(lambda r=role: "Redis unreachable" in log_of(r), 60, f"{role.args[3]} to notice")
+        assert stop(collector, timeout=5) == 0, log_of(collector)
+        assert "stopped while waiting" in log_of(collector)
+        # --grace 2 + STOP_SLACK_S 15, and a connect attempt's own timeout (genq/connection.py, 10 s).
+        assert stop(worker, timeout=2 + 15 + 10) == 1, log_of(worker)
+        assert "were not handed back" in log_of(worker)
+        # In flight: the 16 sending, and any that had finished and waited for their commit.
+        held = int(re.search(r"draining (\d+) in flight", log_of(worker)).group(1))
+        server = EmbeddedRedis(tmp_path / "redis", port=server.port)
+        server.start()
+        collector = procs.start("collect", "--out", out, "--burst", env=env)
+        worker = procs.start("worker", *worker_flags, "--burst", env=env)
+        assert worker.wait(180) == 0, log_of(worker)
+        assert collector.wait(60) == 0, log_of(collector)
+        check_records(out, "unreachable", prompts, PARAMS)
+        # Two start-up probes, and what was in flight when Redis went away, generated again at most.
+        assert sim_stats(sim)["generations"] <= len(prompts) + 2 + held, (held, sim_stats(sim))
     finally:
         server.stop()
 

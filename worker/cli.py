@@ -162,12 +162,13 @@ def worker_command(
     conn = connect(redis_url)
     wait_for_redis(conn, redis_url)
     try:
-        asyncio.run(_run(conn, Keys(namespace), config, server, max_response_mb << 20))
+        status = asyncio.run(_run(conn, Keys(namespace), config, server, max_response_mb << 20))
     except redis.RedisError as exc:  # not an outage (genq/redis_errors.py): a bug, said in one line
         log.critical("%s", fatal(exc))
         sys.exit(4)
+    sys.exit(status)
 
 
-async def _run(conn, keys: Keys, config: WorkerConfig, server: str, max_body: int) -> None:
+async def _run(conn, keys: Keys, config: WorkerConfig, server: str, max_body: int) -> int:
     async with Http(server, config.ceiling, max_body) as http:
-        await Worker(conn, keys, config, http).run()
+        return await Worker(conn, keys, config, http).run()

@@ -21,7 +21,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -47,6 +47,9 @@ from worker.runner import JobRunner
 log = logging.getLogger("genq.worker")
 T = TypeVar("T")
 REPORT_EVERY_S = 2.0
+# After --grace, the time a stop has left to hand what remains back to Redis; a Redis still
+# unreachable or refusing then does not hold the stop (systemd's TimeoutStopSec=330 > 300 + this).
+STOP_SLACK_S = 15.0
 
 
 class Worker:
@@ -76,6 +79,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._signals = 0
+        self._stop_by: float | None = None  # the monotonic time a requested stop ends by
         self._background: list[asyncio.Task] = []
         self.books.declines = self._declines
         self.gate = ServerGate(config, http, self.books)
@@ -152,6 +156,7 @@ class Worker:
                 self.config.grace,
                 extra=self.books.log_context(),
             )
+            self._stop_by = time.monotonic() + self.config.grace + STOP_SLACK_S
             self._stopping.set()
             self._slot_freed.set()
         else:
@@ -164,13 +169,27 @@ class Worker:
 
     # -- main loop --------------------------------------------------------------------------
 
-    async def run(self) -> None:
+    def _time_left(self) -> float | None:
+        """Seconds until a requested stop's deadline; None while no stop is requested."""
+        return None if self._stop_by is None else max(0.0, self._stop_by - time.monotonic())
+
+    async def _before_deadline(self, step: Awaitable[Any]) -> bool:
+        """Run one step of the stop; give it up at the stop's deadline (False)."""
+        try:
+            await asyncio.wait_for(step, self._time_left())
+        except TimeoutError:
+            return False
+        return True
+
+    async def run(self) -> int:
+        """Serve until stopped; the exit status: 1 when a stop's deadline passed with Redis unable
+        to take back what was in flight (RQ runs those jobs again after the heartbeat TTL)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
         info = await self.gate.know_server(self._stopping)
         if info is None:
-            return  # stopped while waiting for the server
+            return 0  # stopped while waiting for the server
         await self.redis(self.books.start, {k: str(v) for k, v in info.summary().items() if v is not None})
         log.info(
             "worker %s: serving %s (%s%s %s, model %s) with %s",
@@ -202,17 +221,32 @@ class Worker:
         ]
         if self.config.auto:
             self._background.append(asyncio.create_task(self._steer()))
+        clean, held = True, 0
         try:
             await self._take_loop()
-            await self._drain()
+            held = len(self._in_flight) + len(self._ready)
+            clean = await self._before_deadline(self._drain())
         finally:
             for task in self._background:
                 task.cancel()
             self.gate.cancel()
-            await self.redis(self.books.stop)
+            clean = await self._before_deadline(self.redis(self.books.stop)) and clean
         for thread in (self._take_thread, self._maintenance_thread, self._redis_thread):
-            thread.shutdown(wait=True)
+            thread.shutdown(wait=True, cancel_futures=True)
+        if not clean:
+            log.warning(
+                "worker %s: stopped with Redis still out of reach %.0f s after the signal "
+                "(--grace + %.0f s); up to %d jobs in flight or taken ahead at the signal were not "
+                "handed back: RQ runs them again once their heartbeat lapses",
+                self.books.name,
+                self.config.grace + STOP_SLACK_S,
+                STOP_SLACK_S,
+                held,
+                extra=self.books.log_context(),
+            )
+            return 1
         log.info("worker %s: stopped", self.books.name, extra=self.books.log_context())
+        return 0
 
     async def _take_loop(self) -> None:
         """Start a job whenever a slot is free, from a few taken ahead (``prefetch``): jobs are taken
@@ -261,7 +295,8 @@ class Worker:
                 await self._wait_for_slot(0.25 if free > 0 else 5)
         finally:
             if taking is not None:  # its jobs are started in RQ: _drain puts them back
-                self._ready.extend((await taking)[1])
+                with contextlib.suppress(TimeoutError):
+                    self._ready.extend((await asyncio.wait_for(taking, self._time_left()))[1])
 
     def _busy(self) -> int:
         """Jobs holding a slot: suspects waiting for their turn, and jobs handing their result
