@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 import redis
 
 from genq.commands.embedded import EmbeddedRedis
-from genq.commands.processes import wait_for_line
+from genq.commands.processes import genq_command, wait_for_line
 from tests.dataset_helpers import build_tokenizer
 from tests.helpers import Procs
 
@@ -100,7 +99,7 @@ def start_sim(procs) -> Iterator:
 
     def start(*flags: str) -> str:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "genq", "sim-server", "--port", "0", *flags],
+            genq_command("sim-server", "--port", "0", *flags),
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )

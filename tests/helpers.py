@@ -21,9 +21,13 @@ from typing import Any
 
 import orjson
 import pytest
+import redis
 
+from genq import progress
 from genq.backends import BACKENDS, Http
 from genq.backends.load import Load
+from genq.commands.processes import genq_command
+from genq.keys import Keys
 from sim.model import generate
 
 
@@ -120,7 +124,7 @@ def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: flo
 
 
 def genq_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "genq", *map(str, args)]
+    return genq_command(*map(str, args))
 
 
 class Procs:
@@ -394,8 +398,6 @@ def started_jobs(conn, namespace: str, dataset: str) -> dict[str, str]:
     from rq import Queue
     from rq.job import Job
 
-    from genq.keys import Keys
-
     queue = Queue(Keys(namespace).queue_name(dataset), connection=conn, serializer="json")
     ids = [m.decode().split(":")[0] for m in conn.zrange(queue.started_job_registry.key, 0, -1)]
     with conn.pipeline(transaction=False) as pipe:
@@ -425,17 +427,23 @@ def wait_for_records(procs: Procs, dataset: str, n: int, stall: float, *, in_fli
     """Wait until ``n`` records of ``dataset`` are on disk (and, with ``in_flight``, jobs still in
     flight, so that what comes next meets work under way); return its counts. Fails when no record
     has reached disk for ``stall`` seconds: a machine loaded by other tests slows a run without
-    stopping it, so the bound is on a stall, and pytest's timeout bounds the whole."""
+    stopping it, so the bound is on a stall, and pytest's timeout bounds the whole. The counts are
+    genq's own query (genq/progress.py) read in this process, every 50 ms: a `genq status` process
+    per look is slow enough on a loaded machine to miss a fast run's middle."""
+    conn = redis.Redis.from_url(procs.env["GENQ_REDIS_URL"])
+    keys = Keys(procs.env["GENQ_NAMESPACE"])
     last, moved = -1, time.monotonic()
     while True:
-        counts = status_json(procs)["datasets"][dataset]
+        counts = progress.dataset_counts(conn, keys)[dataset]
         if counts["done"] >= n and (counts["in_flight"] > 0 or not in_flight):
             return counts
+        if in_flight and counts["done"] + counts["failed"] == counts["total"]:
+            raise AssertionError(f"{dataset}: the run ended before {n} records with jobs still in flight")
         if counts["done"] != last:
             last, moved = counts["done"], time.monotonic()
         elif time.monotonic() - moved > stall:
             raise AssertionError(f"{dataset}: no record on disk for {stall:.0f} s, {last} of the {n} awaited")
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def finish_run(procs: Procs, dataset: str, total: int, stall: float, *roles: subprocess.Popen) -> None:

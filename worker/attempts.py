@@ -75,8 +75,10 @@ class Attempts:
         in_flight: Callable[[], Iterable[Taken]],
         finish: Callable[[Taken], None],
         concurrency: Concurrency,
+        stopping: Callable[[], bool],
     ) -> None:
         self.config = config
+        self._stopping = stopping  # a stop was asked for: the server may be going down with us
         self.concurrency = concurrency  # told each answer's latency and each 429 (--concurrency auto)
         self.keys = keys
         self.books = books
@@ -198,6 +200,10 @@ class Attempts:
         if exc.dropped:
             if await self.gate.backend.healthy():
                 cost = Cost.ATTEMPT  # the server is fine: the drop was this request's
+            elif self._stopping():
+                # Stopped with its server (Ctrl-C, `systemctl stop`, a Slurm job's end): the
+                # operator's doing, not a crash this prompt is suspect of; the drain puts it back.
+                cost, exc.down = Cost.FREE, True
             else:
                 return await self._crashed(t, tries, exc, attempt)
         elif exc.kind == "timeout" and not await self.gate.answered_through(life):

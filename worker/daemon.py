@@ -94,6 +94,7 @@ class Worker:
             lambda: self._in_flight.values(),
             self._finish,
             self.concurrency,
+            self._stopping.is_set,
         )
         self.runner = JobRunner(
             config,

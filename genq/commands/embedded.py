@@ -18,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from genq.commands.processes import spawn
+from genq.commands.processes import ProcessRecord, spawn
 from genq.connection import HASH_VALUE_LIMIT
 
 
@@ -98,14 +98,22 @@ class EmbeddedRedis:
         """The port of the server running on this folder, for the commands that look at a run."""
         return self.folder / "port"
 
+    @property
+    def ownerfile(self) -> Path:
+        """The pid and start time of the redis-server this folder's run started (genq writes it)."""
+        return self.folder / "server"
+
     def running_pid(self) -> int | None:
-        """The pid of the redis-server running on this folder, if one is."""
+        """The pid of the redis-server this folder's run started, if it still runs. Only that one
+        process: a pid recorded here may since name another (a reused pid, or this folder copied
+        from a live run's, whose server works in the original), and stopping that would stop
+        another run's Redis."""
+        pid = ProcessRecord(self.ownerfile).running()
         try:
-            pid = int(self.pidfile.read_text().strip())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ValueError):
+            works_in = pid is not None and Path(os.readlink(f"/proc/{pid}/cwd"))  # its --dir
+        except OSError:
             return None
-        return pid if b"redis-server" in cmdline else None  # else a stale pidfile, its pid reused
+        return pid if works_in == self.folder else None
 
     def attach(self) -> str | None:
         """The URL of the redis-server running on this folder (a `genq run` going on), or None."""
@@ -172,6 +180,7 @@ class EmbeddedRedis:
         self.proc = spawn(
             args, death_signal=signal.SIGTERM, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
+        ProcessRecord(self.ownerfile).write(self.proc.pid)
         client = redis.Redis(port=self.port, password=password, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout
         while True:

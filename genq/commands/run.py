@@ -10,6 +10,7 @@ started go back to the front of their queues.
 from __future__ import annotations
 
 import copy
+import fcntl
 import logging
 import os
 import shlex
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import click
 
@@ -26,7 +28,7 @@ from genq.backends import NAMES
 from genq.clock import redis_time
 from genq.commands import verify
 from genq.commands.embedded import EmbeddedRedis
-from genq.commands.processes import genq_command, spawn, stop, wait_for_line
+from genq.commands.processes import ChildFailed, genq_command, spawn, stop, wait_for_line
 from genq.commands.status import totals, with_tokens
 from genq.connection import connect, redact, split_password
 from genq.keys import Keys, validate_name
@@ -38,7 +40,10 @@ from genq.terminal import duration
 from producer.cli import EXIT_REJECTED, enqueue_command  # `genq run` is the roles together, as genq is
 from worker.config import AUTO, ConcurrencyParam
 
-STOP_S = 30.0  # how long a child may take to stop (a worker's drain) before it is killed
+STOP_S = 30.0  # how long the workers may take to stop (their drain) before they are killed
+# The workers' --grace: in-flight generations finish within it, the rest go back to the queue, all
+# before STOP_S (with Redis out of reach a worker gives up at grace + 15 s: killed at STOP_S).
+WORKER_GRACE_S = 20
 
 
 class Interrupted(Exception):
@@ -156,9 +161,11 @@ def run_command(
     source = ctx.get_parameter_source("redis_url")
     embedded = source == click.core.ParameterSource.DEFAULT
     out.mkdir(parents=True, exist_ok=True)
+    held = _hold(out)  # noqa: F841 - held for as long as this run lives
     logs = out / ".logs"
     logs.mkdir(exist_ok=True)
-    children: list[subprocess.Popen] = []
+    helpers: list[subprocess.Popen] = []  # the simulator, then the collector
+    pool: list[subprocess.Popen] = []  # the workers (one that dies is replaced in this list)
     redis_server = EmbeddedRedis(out / ".redis", private=True) if embedded else None
 
     def interrupted(signum, frame):
@@ -200,8 +207,12 @@ def run_command(
                 {},
                 stdout=subprocess.PIPE,
             )
-            children.append(sim)
-            server = wait_for_line(sim, "sim-server listening on ", 30).rsplit(" ", 1)[1]
+            helpers.append(sim)
+            try:
+                ready = wait_for_line(sim, "sim-server listening on ", 30, logs / "sim.log")
+            except ChildFailed as exc:
+                raise click.ClickException(f"the simulator: {exc}") from exc
+            server = ready.rsplit(" ", 1)[1]
         env["GENQ_SERVER"] = server  # the children's --server: a password in it stays out of argv
         forwarded = enqueue_argv(ctx)
 
@@ -229,7 +240,7 @@ def run_command(
             # them (a resumed run on a fresh Redis) before the enqueue asks what is done.
             enqueue(name, paths, "--register-only")
         collector = _start(genq_command("collect", "--out", str(out)), logs / "collector.log", env)
-        children.append(collector)
+        helpers.append(collector)
         for name, _ in groups:
             _wait_ready(conn, keys, name, collector, 60)
         rejected: dict[str, int] = {}
@@ -242,15 +253,15 @@ def run_command(
                     "the other rows run",
                     err=True,
                 )
-        worker_argv = genq_command("worker", "--backend", backend, "--concurrency", str(concurrency))
+        worker_argv = genq_command(
+            "worker", "--backend", backend, "--concurrency", str(concurrency), "--grace", str(WORKER_GRACE_S)
+        )
         if _enqueue_options.get("trust_remote_code"):  # the one consent, for enqueue and workers alike
             worker_argv.append("--trust-remote-code")
-        pool = [_start(worker_argv, logs / f"worker-{i}.log", env) for i in range(workers)]
-        children.extend(pool)
+        pool.extend(_start(worker_argv, logs / f"worker-{i}.log", env) for i in range(workers))
         _follow(conn, keys, pool, collector, worker_argv, logs, env)
-        for proc in pool:
-            stop(proc, 90)
-        stop(collector, 60)
+        stop(pool, 90)
+        stop([collector], 60)
         per_dataset = with_tokens(conn, keys, progress.dataset_counts(conn, keys), redis_time(conn))
         for name, c in per_dataset.items():
             click.echo(f"{name}: {c['done']} done, {c['failed']} failed of {c['total']} -> {out / name}")
@@ -280,15 +291,15 @@ def run_command(
     except Interrupted:
         click.echo(
             f"\ngenq run: interrupted: the generations in flight finish or go back to the queue (up to "
-            f"{STOP_S:.0f} s a process); Ctrl-C again to stop now. Run the same command again to resume.",
+            f"{STOP_S:.0f} s); Ctrl-C again to stop now. Run the same command again to resume.",
             err=True,
         )
-        try:
-            for proc in reversed(children):
-                stop(proc, STOP_S)
+        try:  # the workers drain while the simulator still answers and the collector still writes
+            stop(pool, STOP_S)
+            stop(helpers[::-1], STOP_S)
         except Interrupted:  # the second Ctrl-C: what is in flight runs again on resume
             click.echo("genq run: stopping now; the generations in flight run again on resume", err=True)
-            for proc in children:
+            for proc in pool + helpers:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
@@ -296,13 +307,34 @@ def run_command(
             redis_server.stop()
         sys.exit(130)
     finally:
-        for proc in reversed(children):
-            stop(proc, STOP_S)
+        stop(pool, STOP_S)
+        stop(helpers[::-1], STOP_S)
         if redis_server is not None:
             redis_server.stop()
 
 
 run_command.params.extend(ENQUEUE_PARAMS)
+
+
+def _hold(out: Path) -> IO:
+    """One `genq run` per output folder: an exclusive lock on OUT/.run for as long as this process
+    lives (the kernel lets go of it however the process ends), so a second run on the folder
+    stops at once instead of stopping the first one's Redis."""
+    fh = (out / ".run").open("a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "?"
+        fh.close()
+        raise click.ClickException(
+            f"{out}: another genq run (pid {holder}) is writing this folder; watch it with "
+            f"genq monitor --out {shlex.quote(str(out))}, or stop it before running again"
+        ) from None
+    fh.truncate(0)
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
+    return fh
 
 
 def _child_env(redis_url: str, namespace: str, password_file: Path | None = None) -> dict[str, str]:

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from genq.allocation import slurm_job
 from genq.clock import redis_time
+from genq.commands.processes import genq_command
 from genq.commands.status import workers
 from genq.connection import connect, redact
 from genq.keys import Keys
@@ -136,7 +137,7 @@ def submit_command(
     if collector and out is None:
         raise click.UsageError("the collector needs --out DIR (or --no-collector)")
     logs = logs.resolve()
-    genq = genq_cmd or shlex.join([sys.executable, "-m", "genq"])
+    genq = genq_cmd or shlex.join(genq_command())
     common = [f"--partition={partition}"] if partition else []
     node_args = [
         *(["--server-cmd", server_cmd] if server_cmd else ["--server", server_url]),

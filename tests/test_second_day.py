@@ -1,0 +1,145 @@
+"""A user's second day with `genq run` (issue #38): run from any folder, runs that never touch
+each other's processes, a Ctrl-C that does not turn the jobs in flight into crash suspects."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from genq.commands.embedded import EmbeddedRedis
+from tests.helpers import check_records, wait_until, write_prompts, written_lines
+
+# The console script, as a user types `genq`: not `python -m genq`, which puts the current folder
+# first on sys.path itself.
+GENQ = str(Path(sys.executable).parent / "genq")
+PARAMS = {"max_new_tokens": 300}
+
+
+def _run(
+    data: Path, out: Path, *extra: str, cwd: Path | None = None, env: dict | None = None, **popen
+) -> subprocess.Popen:
+    """`genq run --simulate` on its private Redis (an exported GENQ_REDIS_URL left out)."""
+    argv = [GENQ, "run", str(data), "--out", str(out), "--simulate", "--max-new-tokens", "300", *extra]
+    env = {**{k: v for k, v in os.environ.items() if k != "GENQ_REDIS_URL"}, **(env or {})}
+    return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[str, str]:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return stdout.decode(), stderr.decode()
+
+
+def test_run_from_a_folder_holding_a_genq_folder(tmp_path):
+    """The parent of a clone holds a folder named `genq`: the children still start the installed
+    program; and a child that dies at start says its own last words, in one line."""
+    (tmp_path / "genq").mkdir()  # a namespace package `genq`, first on sys.path for `python -m`
+    data = tmp_path / "p.jsonl"
+    prompts = write_prompts(data, 30)
+    out = tmp_path / "out"
+    proc = _run(data, out, "--sim-latency", "zero", cwd=tmp_path)
+    _, stderr = _finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    check_records(out, "p", prompts, PARAMS)
+
+    # The simulator refuses its settings and exits: run says why, naming its log.
+    env_bad = {"GENQ_SIM_DECODE_STEP_MS": "abc"}
+    proc = subprocess.run(
+        [GENQ, "run", str(data), "--out", str(tmp_path / "bad"), "--simulate"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**{k: v for k, v in os.environ.items() if k != "GENQ_REDIS_URL"}, **env_bad},
+    )
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "sim-server exited at start" in errors[0] and "GENQ_SIM_DECODE_STEP_MS" in errors[0], errors
+    assert str(tmp_path / "bad" / ".logs" / "sim.log") in errors[0], errors
+
+
+@pytest.mark.timeout(420)
+def test_two_runs_at_once_never_stop_each_others_processes(tmp_path):
+    """A folder copied from a live run (its records of pids included) is run while the original
+    still runs: the copy must not stop the original's Redis, and both finish exactly once. A second
+    run on the very folder of a live one is refused in one line, and the first goes on."""
+    data = tmp_path / "twice.jsonl"
+    prompts = write_prompts(data, 80)
+    first, copy = tmp_path / "a", tmp_path / "b"
+    a = _run(data, first, "--workers", "1", "--concurrency", "8")
+    try:
+        raw = first / "twice" / "raw_responses.jsonl"
+        wait_until(lambda: len(written_lines(raw)) >= 10, 120, "the first run's progress")
+        redis_a = EmbeddedRedis(first / ".redis").running_pid()
+        assert redis_a is not None
+        shutil.copytree(first, copy, ignore=shutil.ignore_patterns("*.sock"))
+
+        again = subprocess.run(
+            [GENQ, "run", str(data), "--out", str(first), "--simulate"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "GENQ_REDIS_URL"},
+        )
+        assert again.returncode == 1, again.stderr
+        (line,) = [x for x in again.stderr.splitlines() if x.strip()]
+        assert f"another genq run (pid {a.pid}) is writing this folder" in line, line
+
+        b = _run(data, copy, "--workers", "1", "--concurrency", "32")
+        wait_until(lambda: EmbeddedRedis(copy / ".redis").running_pid(), 60, "the copy's own Redis")
+        assert a.poll() is not None or EmbeddedRedis(first / ".redis").running_pid() == redis_a
+        _, stderr_b = _finish(b, 240)
+        assert b.returncode == 0, stderr_b[-3000:]
+        _, stderr_a = _finish(a, 240)
+    finally:
+        a.kill()
+    assert a.returncode == 0, stderr_a[-3000:]
+    assert "Redis unreachable" not in stderr_a, stderr_a[-3000:]
+    check_records(first, "twice", prompts, PARAMS)
+    check_records(copy, "twice", prompts, PARAMS)
+
+
+@pytest.mark.timeout(420)
+def test_a_double_ctrl_c_makes_no_crash_suspects(tmp_path):
+    """Ctrl-C on a terminal signals the whole foreground process group. The run's children are not
+    in it: the first Ctrl-C stops the workers while their server and Redis still answer (no server
+    'crash', no Redis outage in their logs), the second kills everything. The resumed run then
+    has no crash suspect to resend alone, and writes each prompt once."""
+    data = tmp_path / "ctrl.jsonl"
+    prompts = write_prompts(data, 60)
+    out = tmp_path / "out"
+    # Outputs of 1,500 tokens at 5 ms a step: the jobs in flight at the first Ctrl-C take seconds.
+    long = {"GENQ_SIM_MIN_LEN": "1500", "GENQ_SIM_MAX_LEN": "1500", "GENQ_SIM_DECODE_STEP_MS": "5"}
+    flags = ("--workers", "2", "--concurrency", "16", "--max-new-tokens", "2000")
+    run = _run(data, out, *flags, start_new_session=True, env=long)
+    try:
+        raw = out / "ctrl" / "raw_responses.jsonl"
+        wait_until(lambda: len(written_lines(raw)) >= 10, 120, "progress")
+        os.killpg(run.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+        wait_until(lambda: _logs(out).count("stop requested") == 2, 30, "both workers to drain")
+        os.killpg(run.pid, signal.SIGINT)
+        assert run.wait(30) == 130
+    finally:
+        run.kill()
+    interrupted = _logs(out)
+    assert len(written_lines(raw)) < 60, "the Ctrl-C came after the end"
+    assert "looks down" not in interrupted and "Redis unreachable" not in interrupted, interrupted[-3000:]
+    rerun = _run(data, out, *flags, env=long)
+    _, stderr = _finish(rerun, 240)
+    assert rerun.returncode == 0, stderr[-3000:]
+    check_records(out, "ctrl", prompts, {"max_new_tokens": 2000}, min_len=1500, max_len=1500)
+    resumed = _logs(out)[len(interrupted) :]
+    assert "looks down" not in resumed and "server crashes" not in resumed, resumed[-3000:]
+
+
+def _logs(out: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((out / ".logs").glob("worker-*.log")))
