@@ -62,6 +62,15 @@ def validate_name(value: str, what: str = "dataset") -> str:
     return value
 
 
+def namespaces(conn) -> list[str]:
+    """The namespaces that hold datasets on this Redis (their registry hashes), for a hint to a
+    command pointed at one that holds none. SCAN: a few round trips, never a blocking KEYS."""
+    found = set()
+    for key in conn.scan_iter(match="genq:*:datasets", count=1000, _type="hash"):
+        found.add(key.decode(errors="replace")[len("genq:") : -len(":datasets")])
+    return sorted(found)
+
+
 @dataclass(frozen=True)
 class Keys:
     """The key names of one namespace."""

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
 from genq.commands.embedded import EmbeddedRedis
@@ -143,3 +144,37 @@ def test_a_double_ctrl_c_makes_no_crash_suspects(tmp_path):
 
 def _logs(out: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted((out / ".logs").glob("worker-*.log")))
+
+
+@pytest.mark.timeout(300)
+def test_commands_on_a_run_folder_look_at_its_own_redis_and_namespace(tmp_path, redis_url):
+    """`--out` names a run: its private Redis and namespace win over exported GENQ_* variables; a
+    different --namespace on the command line is an error naming both; and verify against a Redis
+    holding nothing of it is an error, not a clean bill."""
+    data = tmp_path / "own.jsonl"
+    write_prompts(data, 20)
+    out = tmp_path / "out"
+    ran = _run(data, out, "--sim-latency", "zero", "--namespace", "mine")
+    _, stderr = _finish(ran)
+    assert ran.returncode == 0, stderr[-3000:]
+    exported = {**os.environ, "GENQ_REDIS_URL": redis_url, "GENQ_NAMESPACE": "theirs"}
+
+    def genq(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([GENQ, *args], capture_output=True, text=True, timeout=60, env=exported)
+
+    verified = genq("verify", "--out", str(out))
+    assert verified.returncode == 0 and "own: OK" in verified.stdout, verified.stdout + verified.stderr
+    status = genq("status", "--out", str(out), "--json")
+    assert status.returncode == 0, status.stderr
+    assert orjson.loads(status.stdout)["datasets"]["own"]["done"] == 20
+    assert "GENQ_NAMESPACE=theirs left aside: the run in" in status.stderr, status.stderr
+    both = genq("status", "--out", str(out), "--namespace", "theirs")
+    assert both.returncode == 2 and "used namespace 'mine'" in both.stderr, both.stderr
+
+    elsewhere = genq("verify", "--out", str(out), "--redis", redis_url, "--namespace", "nothing-here")
+    assert elsewhere.returncode == 1, elsewhere.stdout + elsewhere.stderr
+    (line,) = elsewhere.stderr.strip().splitlines()
+    assert "no dataset in namespace 'nothing-here'" in line, line
+    plain = genq("status", "--redis", redis_url, "--namespace", "nothing-here", "--json")
+    assert plain.returncode == 0, plain.stderr
+    assert any("no dataset in namespace 'nothing-here'" in w for w in orjson.loads(plain.stdout)["warnings"])

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from genq import __version__, entries, failures, terminal
 from genq.commands import monitor as monitor_view
-from genq.commands.run_redis import out_option, redis_of
+from genq.commands.run_redis import no_dataset_here, out_option, redis_of, require_datasets
 from genq.commands.status import status
 from genq.connection import RedisURLError, connect
 from genq.keys import Keys
@@ -84,8 +84,12 @@ def main() -> None:
 def status_command(as_json: bool, out: Path | None, redis_url: str, namespace: str) -> None:
     """Per dataset: total enqueued, queued, in flight, retrying, done, failed (they add up); tokens,
     tokens/s and ETA; the workers alive; the collector's lag. Unknown numbers say so (null)."""
-    with redis_of(out, redis_url) as (url, auth):
-        data = status(connect(url, **auth), Keys(namespace))  # a Redis error: one line (LazyGroup.invoke)
+    with redis_of(out, redis_url, namespace) as (url, auth, namespace):
+        conn = connect(url, **auth)
+        data = status(conn, Keys(namespace))  # a Redis error: one line (LazyGroup.invoke)
+        empty = no_dataset_here(conn, namespace, url)
+    if empty is not None:
+        data["warnings"].append(empty)
     if as_json:
         click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
@@ -133,7 +137,7 @@ def monitor_command(
     if svg is not None and not once:
         raise click.UsageError("--svg goes with --once")
     console = Console(width=width, record=svg is not None)
-    with redis_of(out, redis_url) as (url, auth):
+    with redis_of(out, redis_url, namespace) as (url, auth, namespace):
         monitor = monitor_view.Monitor(url, Keys(namespace), **auth)
         code = monitor_view.run(monitor, console, interval, once, svg)
     sys.exit(code)
@@ -149,9 +153,10 @@ def failed_command(
 ) -> None:
     """Terminal failures, grouped by reason (error class and the server's message), and the
     stream entries quarantined because they were not a worker's result (the last 100 of each dataset)."""
-    keys = Keys(namespace)
-    with redis_of(out, redis_url) as (url, auth):
+    with redis_of(out, redis_url, namespace) as (url, auth, namespace):
         conn = connect(url, **auth)
+        require_datasets(conn, namespace, url)
+        keys = Keys(namespace)
         groups = failures.group(failures.failures(conn, keys, dataset))
         counts = entries.quarantined(conn, keys)
         letters = [
@@ -214,9 +219,10 @@ def retry_command(
     """
     if not reason and not retry_all:
         raise click.UsageError("say which: --reason TEXT or --all")
-    keys = Keys(namespace)
-    with redis_of(out, redis_url) as (url, auth):
+    with redis_of(out, redis_url, namespace) as (url, auth, namespace):
         conn = connect(url, **auth)
+        require_datasets(conn, namespace, url)
+        keys = Keys(namespace)
         chosen = [
             f
             for f in failures.failures(conn, keys, dataset)

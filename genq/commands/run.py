@@ -29,6 +29,7 @@ from genq.clock import redis_time
 from genq.commands import verify
 from genq.commands.embedded import EmbeddedRedis
 from genq.commands.processes import ChildFailed, genq_command, spawn, stop, wait_for_line
+from genq.commands.run_redis import record_namespace
 from genq.commands.status import totals, with_tokens
 from genq.connection import connect, redact, split_password
 from genq.keys import Keys, validate_name
@@ -177,6 +178,7 @@ def run_command(
     try:
         if redis_server is not None:
             redis_url = redis_server.start()
+            record_namespace(out, namespace)
             env = _child_env(redis_url, namespace, redis_server.password_file)
             conn = connect(redis_url, password=redis_server.password())
         else:

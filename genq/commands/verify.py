@@ -22,8 +22,8 @@ import redis
 
 from genq import datasets, sources
 from genq.bitmaps import is_set
-from genq.commands.run_redis import has_private_redis, redis_of
-from genq.connection import connect
+from genq.commands.run_redis import has_private_redis, redis_of, require_datasets
+from genq.connection import connect, redact
 from genq.entries import BadEntry, quarantined, read_entry
 from genq.keys import Keys
 from genq.queues import rq_queue
@@ -273,20 +273,26 @@ def verify_command(
     raw_responses.jsonl or in errors.jsonl: every row of FILES (× samples), or without FILES every
     job Redis knows was enqueued. Prints what is missing (and the command that puts it back) and
     what is on disk twice; exits 1 when anything is."""
-    keys = Keys(namespace)
     try:
         paths = sources.expand(list(files)) if files else None
     except sources.SourceError as exc:
         raise click.ClickException(str(exc)) from exc
-    # A `genq run` folder brings its private Redis, unless --redis or GENQ_REDIS_URL names one.
+    # A `genq run` folder brings its private Redis and namespace; only --redis on the command line
+    # names another (an exported GENQ_REDIS_URL is every command's Redis, not this folder's).
     source = click.get_current_context().get_parameter_source("redis_url")
-    private = source == click.core.ParameterSource.DEFAULT and has_private_redis(out)
-    with redis_of(out if private else None, redis_url) as (url, auth):
+    private = source != click.core.ParameterSource.COMMANDLINE and has_private_redis(out)
+    with redis_of(out if private else None, redis_url, namespace) as (url, auth, namespace):
+        keys = Keys(namespace)
         conn = connect(url, **auth)
-        if paths:
-            names = [dataset or Path(files[0]).stem]
-        else:
-            names = [dataset] if dataset else sorted(datasets.load_all(conn, keys))
+        require_datasets(conn, namespace, url)
+        known = datasets.load_all(conn, keys)
+        names = [dataset or Path(files[0]).stem] if dataset or paths else sorted(known)
+        for name in names:
+            if name not in known:
+                raise click.ClickException(
+                    f"no dataset {name!r} in namespace {namespace!r} on {redact(url)}: nothing to check "
+                    f"it against; datasets there: {', '.join(sorted(known))} (--dataset)"
+                )
         results = [audit(conn, keys, out, name, paths) for name in names]
     if as_json:
         click.echo(orjson.dumps([r.as_dict() for r in results], option=orjson.OPT_INDENT_2).decode())
