@@ -178,3 +178,36 @@ def test_commands_on_a_run_folder_look_at_its_own_redis_and_namespace(tmp_path, 
     plain = genq("status", "--redis", redis_url, "--namespace", "nothing-here", "--json")
     assert plain.returncode == 0, plain.stderr
     assert any("no dataset in namespace 'nothing-here'" in w for w in orjson.loads(plain.stdout)["warnings"])
+
+
+@pytest.mark.timeout(300)
+def test_a_deleted_output_file_is_made_again_after_verify_repair(tmp_path):
+    """raw_responses.jsonl removed by hand: run's summary counts what is on disk (none) and the
+    audit says how to get them back; `verify --repair` reopens exactly those jobs, and the same run
+    command makes them again, each once."""
+    data = tmp_path / "gone.jsonl"
+    prompts = write_prompts(data, 40)
+    out = tmp_path / "out"
+    first = _run(data, out, "--sim-latency", "zero")
+    _, stderr = _finish(first)
+    assert first.returncode == 0, stderr[-3000:]
+    (out / "gone" / "raw_responses.jsonl").unlink()
+
+    again = _run(data, out, "--sim-latency", "zero")
+    stdout, stderr = _finish(again)
+    assert again.returncode == 1, stdout + stderr[-3000:]
+    assert "gone: 0 done, 0 failed of 40" in stdout, stdout
+    assert "gone: MISSING 40" in stderr and "--repair" in stderr, stderr[-3000:]
+
+    env = {k: v for k, v in os.environ.items() if k != "GENQ_REDIS_URL"}
+    repaired = subprocess.run(
+        [GENQ, "verify", "--out", str(out), str(data), "--repair"], capture_output=True, text=True, env=env
+    )
+    assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    assert "gone: reopened 40 missing jobs" in repaired.stderr, repaired.stderr
+
+    last = _run(data, out, "--sim-latency", "zero")
+    stdout, stderr = _finish(last)
+    assert last.returncode == 0, stderr[-3000:]
+    assert "gone: 40 done, 0 failed of 40" in stdout, stdout
+    check_records(out, "gone", prompts, PARAMS)

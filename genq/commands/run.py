@@ -265,8 +265,12 @@ def run_command(
         stop(pool, 90)
         stop([collector], 60)
         per_dataset = with_tokens(conn, keys, progress.dataset_counts(conn, keys), redis_time(conn))
-        for name, c in per_dataset.items():
-            click.echo(f"{name}: {c['done']} done, {c['failed']} failed of {c['total']} -> {out / name}")
+        # The audit (genq verify): every job of every dataset exactly once, on disk; the counts
+        # said are its own, read off the files, not what Redis believes.
+        audits = [verify.audit(conn, keys, out, name, paths) for name, paths in groups]
+        for result in audits:
+            name, done, failed = result.dataset, result.states["done"], result.states["failed"]
+            click.echo(f"{name}: {done} done, {failed} failed of {result.expected} -> {out / name}")
         tokens = totals(per_dataset)["completion_tokens"]
         click.echo(
             f"wall time {duration(time.monotonic() - started)}"
@@ -274,8 +278,6 @@ def run_command(
             + f". Next: genq stats {out} · genq export {out} --format sharegpt · genq report {out}"
             + (f" · genq status --out {out}" if embedded else "")
         )
-        # The audit: every job of every dataset exactly once, on disk (genq verify).
-        audits = [verify.audit(conn, keys, out, name, paths) for name, paths in groups]
         for result in audits:
             verify.print_audit(result)
         if not all(r.ok for r in audits):

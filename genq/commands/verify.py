@@ -21,7 +21,7 @@ import orjson
 import redis
 
 from genq import datasets, sources
-from genq.bitmaps import is_set
+from genq.bitmaps import is_set, set_bits
 from genq.commands.run_redis import has_private_redis, redis_of, require_datasets
 from genq.connection import connect, redact
 from genq.entries import BadEntry, quarantined, read_entry
@@ -64,6 +64,7 @@ class Audit:
     rejected: int = 0
     in_source: int = 0  # rows enqueue --max-queued has not read yet (still in their files)
     missing: list[str] = field(default_factory=list)
+    missing_indexes: list[int] = field(default_factory=list)  # their bit indexes (--repair)
     duplicated: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
     command: str = ""
@@ -159,15 +160,34 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
     result.states = {k: v.count() for k, v in states.items()}
     result.rejected = (expected & refused).bit_count()
     missing = expected & ~accounted
+    result.missing_indexes = _set_bits(missing, size)
     result.missing = [
         f"{name}-{row}-{sample}" if samples > 1 else f"{name}-{row}"
-        for row, sample in (divmod(i, samples) for i in _set_bits(missing, size))
+        for row, sample in (divmod(i, samples) for i in result.missing_indexes)
     ]
     if result.in_source and len(result.missing) <= result.in_source:
-        result.missing = []  # enqueue --max-queued is still feeding them in
+        result.missing, result.missing_indexes = [], []  # enqueue --max-queued is still feeding them in
     given = " ".join(map(str, files)) if files else " ".join(settings.sources) or "<its files>"
-    result.command = f"genq enqueue {given} --dataset {name}"
+    result.command = (
+        f"genq verify --out {out} {given} --dataset {name} --repair, then the same `genq enqueue "
+        f"{given} --dataset {name} ...` (or `genq run`) again"
+    )
     return result
+
+
+def reopen(conn: redis.Redis, keys: Keys, result: Audit) -> None:
+    """--repair: clear the missing jobs' bits (enqueued, done, failed), so that the enqueue that
+    made them makes them again — those jobs and no other: every other job is on disk, queued, in
+    flight or retrying, and keeps its bits. Refused while an enqueue of the dataset runs (its
+    bits are moving)."""
+    if conn.exists(keys.enqueuing(result.dataset)):
+        raise click.ClickException(
+            f"{result.dataset}: an enqueue of it is running; repair once it has ended (nothing was changed)"
+        )
+    with conn.pipeline(transaction=True) as pipe:
+        for key in (keys.enqueued, keys.done, keys.failed):
+            set_bits(pipe, key(result.dataset), result.missing_indexes, 0)
+        pipe.execute()
 
 
 def _int(data: bytes, size: int) -> int:
@@ -264,10 +284,21 @@ def print_audit(result: Audit) -> None:
     default=None,
     help="The dataset (default: FILES' first stem, or every dataset).",
 )
+@option(
+    "--repair",
+    is_flag=True,
+    help="Reopen the missing jobs (e.g. of a file removed by hand): the same enqueue then makes them again.",
+)
 @option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @redis_options
 def verify_command(
-    files: tuple[str, ...], out: Path, dataset: str | None, as_json: bool, redis_url: str, namespace: str
+    files: tuple[str, ...],
+    out: Path,
+    dataset: str | None,
+    repair: bool,
+    as_json: bool,
+    redis_url: str,
+    namespace: str,
 ) -> None:
     """Check that every job of a dataset is exactly one of queued, in flight, retrying, in
     raw_responses.jsonl or in errors.jsonl: every row of FILES (× samples), or without FILES every
@@ -294,10 +325,21 @@ def verify_command(
                     f"it against; datasets there: {', '.join(sorted(known))} (--dataset)"
                 )
         results = [audit(conn, keys, out, name, paths) for name in names]
+        reopened = [r for r in results if repair and r.missing]
+        for result in reopened:
+            reopen(conn, keys, result)
+        sources_of = {name: " ".join(files) or " ".join(known[name].sources) for name in names}
     if as_json:
         click.echo(orjson.dumps([r.as_dict() for r in results], option=orjson.OPT_INDENT_2).decode())
     else:
         for result in results:
             print_audit(result)
-    if not all(r.ok for r in results):
+    for result in reopened:
+        click.echo(
+            f"{result.dataset}: reopened {len(result.missing):,} missing jobs; make them with the same `genq "
+            f"enqueue {sources_of[result.dataset]} --dataset {result.dataset} ...` (or `genq run`) again",
+            err=True,
+        )
+    # Missing jobs reopened are on their way back once the enqueue runs: not a failure of --repair.
+    if not all(r.ok or (r in reopened and not r.duplicated and not r.unreadable) for r in results):
         raise SystemExit(1)
