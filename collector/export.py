@@ -393,14 +393,16 @@ def export_command(
         raise Refused(str(exc)) from exc
     except TemplateError as exc:
         raise click.ClickException(str(exc)) from exc
-    names = [dataset] if dataset else sorted(p.parent.name for p in out_dir.glob(f"*/{RAW}"))
+    present = sorted(p.parent.name for p in out_dir.glob(f"*/{RAW}"))
+    names = [dataset] if dataset else present
     if not names:
         raise click.ClickException(f"{out_dir}: no <dataset>/{RAW} in it")
     empty = []  # datasets whose every record was left out: nothing to train on is a failure
     for name in names:
         raw = out_dir / name / RAW
         if not raw.is_file():
-            raise click.ClickException(f"{raw}: no such file")
+            there = f"datasets in {out_dir}: {', '.join(present)}" if present else f"no dataset in {out_dir}"
+            raise click.ClickException(f"{raw}: no such file; {there} (--dataset)")
         folder = out_dir / name
         template = functools.cache(
             lambda folder=folder: given or recorded_template(folder, trust_remote_code)

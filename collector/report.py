@@ -18,6 +18,7 @@ import click
 
 from collector.charts import Bar, bar_chart
 from collector.stats import DatasetStats, folder_stats, percentiles
+from genq.schema import ERRORS, RAW
 from genq.settings import option
 
 UNKNOWN = "unknown"
@@ -248,6 +249,11 @@ def report_command(folder: Path, output: Path | None) -> None:
     """One self-contained HTML page of FOLDER's run, from the files alone (as `genq stats` reads
     them): per dataset records, failed, cut, a completion-length histogram, finish reasons,
     throughput over time, latency, attempts and failures; the run's totals. No script, no network."""
+    if not any(folder.glob(f"*/{RAW}")) and not any(folder.glob(f"*/{ERRORS}")):
+        raise click.ClickException(
+            f"{folder}: not a genq output folder (no <dataset>/{RAW} in it): give the folder "
+            "`genq run --out` or `genq collect --out` wrote"
+        )
     stats = folder_stats(folder)
     if not stats:
         raise click.ClickException(f"no *.jsonl files under {folder}: nothing to report")

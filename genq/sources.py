@@ -182,6 +182,12 @@ def _jsonl_records(path: Path, limit: int = MAX_ROW_BYTES, strict_first: bool = 
                     raise SourceError(
                         f"{where}: expected a JSON array or JSON Lines (one object per line): {exc}"
                     ) from exc
+                if first and line.lstrip().startswith(b"["):
+                    # A pretty-printed array: every later line would be a row of malformed JSON.
+                    raise SourceError(
+                        f"{where}: this is a JSON array, not JSON Lines: name the file .json (genq reads "
+                        "arrays there), or write one object per line"
+                    ) from exc
                 yield Record(where, error=str(exc), raw=line)
             first = False
 

@@ -395,10 +395,15 @@ def enqueue_command(
     print_summary(name, summary)
     if summary.fatal:
         raise click.ClickException(summary.fatal)
+    if summary.read == 0:
+        raise click.ClickException(
+            f"{name}: no rows in {', '.join(map(str, paths))}: nothing to enqueue (empty, or blank lines)"
+        )
     if summary.rejected and not allow_rejects:
         listed = f"listed in {rejects}" if rejects is not None else "listed above; --rejects FILE keeps them"
+        others = "the other rows are enqueued" if summary.read > summary.rejected else "no row was enqueued"
         click.echo(
-            f"Error: {name}: {summary.rejected} rows rejected ({listed}); the other rows are enqueued. "
+            f"Error: {name}: {summary.rejected} rows rejected ({listed}); {others}. "
             f"Fix them and run again, or pass --allow-rejects to accept (exit {EXIT_REJECTED})",
             err=True,
         )

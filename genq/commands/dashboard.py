@@ -10,9 +10,11 @@ from __future__ import annotations
 import ipaddress
 import logging
 import sys
+from pathlib import Path
 
 import click
 
+from genq.commands.run_redis import out_option, redis_of
 from genq.connection import redact
 from genq.settings import option, redis_options, secret
 
@@ -60,6 +62,7 @@ def _host_names(ctx: click.Context, param: click.Parameter, value: tuple[str, ..
     is_flag=True,
     help="Serve a non-loopback --bind without a password (anyone who reaches it can requeue jobs).",
 )
+@out_option("dashboard")
 @redis_options
 def dashboard_command(
     port: int,
@@ -67,6 +70,7 @@ def dashboard_command(
     username: str,
     allow_hosts: tuple[str, ...],
     insecure_no_auth: bool,
+    out: Path | None,
     redis_url: str,
     namespace: str,
 ) -> None:
@@ -92,11 +96,12 @@ def dashboard_command(
 
     from genq.commands.dashboard_app import create_app
 
-    app = create_app(redis_url, username, password, bind=bind, allow_hosts=allow_hosts)
-    click.echo(
-        f"genq dashboard: http://{bind}:{port}/ (Redis {redact(redis_url)}; "
-        f"namespace {namespace!r}: queues {namespace}.<dataset>)",
-        err=True,
-    )
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    run_simple(bind, port, app, threaded=True)
+    with redis_of(out, redis_url, namespace) as (url, auth, namespace):
+        app = create_app(url, username, password, bind=bind, allow_hosts=allow_hosts, redis_auth=auth)
+        click.echo(
+            f"genq dashboard: http://{bind}:{port}/ (Redis {redact(url)}; "
+            f"namespace {namespace!r}: queues {namespace}.<dataset>)",
+            err=True,
+        )
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        run_simple(bind, port, app, threaded=True)

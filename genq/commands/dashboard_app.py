@@ -91,6 +91,7 @@ def create_app(
     password: str | None = None,
     bind: str = "127.0.0.1",
     allow_hosts: Iterable[str] = (),
+    redis_auth: dict[str, Any] | None = None,
 ) -> Flask:
     web.config.serializer = JSONSerializer
     # Named after rq_dashboard so its static folder (the favicon its pages link to) is the app's.
@@ -109,7 +110,7 @@ def create_app(
     )
     if unreviewed:
         raise RuntimeError(f"rq-dashboard has routes genq has not reviewed: {sorted(unreviewed)}")
-    app.redis_conn = connect(redis_url)
+    app.redis_conn = connect(redis_url, **(redis_auth or {}))  # a run's private Redis: its password
     app.before_request_funcs[BLUEPRINT] = [_one_instance]
     views = {
         "job_view": job_view,

@@ -282,6 +282,10 @@ def run(monitor: Monitor, console: Console, interval: float, once: bool, svg: Pa
             console.save_svg(str(svg), title="genq monitor")
         return 0 if ok else 1
     try:
+        if not console.is_terminal:  # a log or a pipe: a frame after another, as --once prints it
+            while True:
+                console.print(monitor.render()[0])
+                time.sleep(interval)
         with Live(monitor.render()[0], console=console, auto_refresh=False, transient=False) as live:
             while True:
                 time.sleep(interval)
