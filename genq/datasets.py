@@ -64,6 +64,19 @@ class SettingsMismatch(Exception):
     pass
 
 
+def _differences(first: dict[str, Any], now: dict[str, Any], where: str = "") -> str:
+    """Only the settings that differ, each as `key X, not Y` (nested ones by their path): two
+    whole recipes side by side hide the one key that matters."""
+    said = []
+    for key in sorted(set(first) | set(now), key=str):
+        a, b = first.get(key, "unset"), now.get(key, "unset")
+        if isinstance(a, dict) and isinstance(b, dict):
+            said.append(_differences(a, b, f"{where}{key}."))
+        elif a != b:
+            said.append(f"{where}{key} {a!r:.200}, not {b!r:.200}")
+    return ", ".join(x for x in said if x)
+
+
 def settings_for(
     name: str,
     paths: list[Path],
@@ -165,9 +178,10 @@ def register(
         return settings
     if not replace:
         raise SettingsMismatch(
-            f"dataset {settings.name!r} was first enqueued with {current.recipe()}, "
-            f"not {settings.recipe()}; use another --dataset name, or --replace-settings "
-            "to mix recipes in one output file"
+            f"dataset {settings.name!r} was first enqueued with "
+            f"{_differences(current.recipe(), settings.recipe())}; "
+            "give the same settings, use another --dataset name, or --replace-settings to mix recipes "
+            "in one output file"
         )
     if current.samples != settings.samples:
         raise SettingsMismatch(f"dataset {settings.name!r}: --samples cannot change ({current.samples})")

@@ -35,6 +35,7 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``turns``                  hash   job id -> the finished turns of a conversation job (JSON), so another
                                     worker goes on from the first unfinished one
 - ``maintenance``            string when anyone last reaped abandoned jobs (Redis time): one reap per interval
+- ``noted:<what>``           string a note said once to the operator (e.g. Redis's hash encoding), not again
 - ``stranded:<queue>``       hash   job id -> when the reaper first saw it stranded in RQ's intermediate list
 - ``worker:<name>:retrying`` hash   dataset -> this worker's jobs waiting between attempts (TTL: the
                                     heartbeat TTL, refreshed every 2 s: a dead worker's lapses with its jobs)
@@ -140,6 +141,9 @@ class Keys:
 
     def stranded(self, queue_name: str) -> str:
         return f"{self.prefix}stranded:{queue_name}"
+
+    def noted(self, what: str) -> str:
+        return f"{self.prefix}noted:{what}"
 
     @property
     def maintenance_lock(self) -> str:

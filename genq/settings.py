@@ -18,6 +18,8 @@ import click
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_NAMESPACE = "genq"
+# A worker's --heartbeat-ttl: silent for longer, it is dead (status) and its jobs run elsewhere.
+DEFAULT_HEARTBEAT_TTL_S = 60
 ENV_PREFIX = "GENQ_"
 
 

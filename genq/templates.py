@@ -126,7 +126,10 @@ def _cached(repo: str) -> bool:
 class ChatTemplate:
     def __init__(self, name: str, kwargs: dict[str, Any] | None = None, trust_remote_code: bool = False):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found": by design
+        # "PyTorch was not found" on every load: by design (tokenizers only). transformers 4.x says it
+        # as an advisory warning, 5.x through its logger at import, at the level TRANSFORMERS_VERBOSITY sets.
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         try:
             from transformers import AutoTokenizer
         except ImportError as exc:
@@ -135,6 +138,11 @@ class ChatTemplate:
             raise TemplateError(
                 f"tokenizer {name!r} not found: not a local folder and not a Hugging Face repo id; pass a "
                 "path or a repo id"
+            )
+        if not os.path.exists(name) and not _cached(name) and "/" not in name:
+            raise TemplateError(
+                f"tokenizer {name!r} not found: not a local folder, and not in the local Hugging Face cache; "
+                "a Hub repo id names its owner too (e.g. Qwen/Qwen3-8B): pass that, or a path"
             )
         if not os.path.exists(name) and not _cached(name):
             raise TemplateError(

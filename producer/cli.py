@@ -361,7 +361,7 @@ def enqueue_command(
             "GENQ_REDIS_URL, at yours), or use `genq run`, which starts a private one"
         ) from exc
     if not register_only:
-        hint_hash_encoding(conn)
+        hint_hash_encoding(conn, Keys(namespace))
     rejects_file = RejectsFile(rejects) if rejects is not None and not register_only else None
     try:
         summary = enqueue_dataset(
@@ -448,17 +448,20 @@ def report_dry_run(
         raise click.ClickException(fatal)
 
 
-def hint_hash_encoding(conn: redis.Redis) -> None:
-    """Say once when Redis keeps job hashes as hashtables: a queued job then costs ~1.1 KB beyond
-    its prompt ids instead of ~0.5 KB. A Redis that refuses CONFIG (managed, ACLs) is not asked."""
+def hint_hash_encoding(conn: redis.Redis, keys: Keys) -> None:
+    """Say once (per namespace: not on every enqueue) when Redis keeps job hashes as hashtables: a
+    queued job then costs ~1.1 KB beyond its prompt ids instead of ~0.5 KB. A Redis that refuses
+    CONFIG (managed, ACLs) is not asked."""
     try:
         limit = conn.config_get("hash-max-listpack-value").get("hash-max-listpack-value")
     except redis.ResponseError:
         return
-    if limit is not None and int(limit) < HASH_VALUE_LIMIT:
+    if limit is None or int(limit) >= HASH_VALUE_LIMIT:
+        return
+    if conn.set(keys.noted("hash-encoding"), 1, nx=True):
         click.echo(
             f"note: this Redis's hash-max-listpack-value is {int(limit)}: each queued job takes ~1.1 KB of "
-            f"Redis beyond its prompt ids, ~0.5 KB with {HASH_VALUE_LIMIT} (docs/cluster.md)",
+            f"Redis beyond its prompt ids, ~0.5 KB with {HASH_VALUE_LIMIT} (docs/cluster.md); said once",
             err=True,
         )
 

@@ -71,6 +71,7 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "genq_version": "0.5.23",
             "genq_model": "m",
             "genq_seeds": "False",
+            "genq_heartbeat_ttl": 60,
         },
     )
     conn.hset(keys.retrying(worker), "known", 2)
@@ -148,8 +149,12 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "seeds": False,
             "last_heartbeat": utcformat(beat),
             "heartbeat_age_s": 3.0,
+            "alive": True,
         }
     ]
+    # Silent for longer than its own heartbeat TTL: killed, though RQ keeps its hash for minutes.
+    conn.hset(f"rq:worker:{worker}", "genq_heartbeat_ttl", 2)
+    assert [w["alive"] for w in status(conn, keys, now=NOW)["workers"]] == [False]
     assert data["stream"] == {
         "length": 1,
         "oldest_pending_s": 7.0,

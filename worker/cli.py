@@ -15,7 +15,7 @@ from genq.keys import Keys
 from genq.logs import logging_options, setup_logging
 from genq.metrics import metrics_options, serve
 from genq.redis_errors import fatal
-from genq.settings import option, redis_options
+from genq.settings import DEFAULT_HEARTBEAT_TTL_S, option, redis_options
 from worker import metrics
 from worker.config import AUTO, ConcurrencyParam, WorkerConfig
 from worker.daemon import Worker
@@ -93,7 +93,7 @@ log = logging.getLogger("genq.worker")
 @option(
     "--heartbeat-ttl",
     type=click.IntRange(min=5),
-    default=60,
+    default=DEFAULT_HEARTBEAT_TTL_S,
     help="Seconds without a heartbeat after which a worker's jobs run elsewhere.",
 )
 @option(

@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from genq.settings import DEFAULT_HEARTBEAT_TTL_S
+
 AUTO = "auto"
 
 
@@ -28,7 +30,7 @@ class WorkerConfig:
     request_timeout: float | None = None  # overrides the deadline derived from max_new_tokens
     grace: float = 60.0
     burst: bool = False
-    heartbeat_ttl: int = 60
+    heartbeat_ttl: int = DEFAULT_HEARTBEAT_TTL_S
     stream_limit: int = 10_000
     backoff_base: float = 1.0
     backoff_cap: float = 60.0

@@ -128,6 +128,7 @@ class Bookkeeper(BaseWorker):
             mapping={
                 "genq_server": self.server,
                 "genq_slurm_job": slurm_job() or "",
+                "genq_heartbeat_ttl": self.heartbeat_ttl,  # status: no heartbeat for longer is a dead worker
                 **{f"genq_{k}": v for k, v in server.items()},
             },
         )

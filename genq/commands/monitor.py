@@ -104,12 +104,25 @@ def tokens_table(data: dict[str, Any]) -> Table:
     return table
 
 
+def _lost(n: int) -> str:
+    """Workers whose heartbeat stopped (killed) while RQ still keeps their hash."""
+    return f", {n} lost: no heartbeat within their TTL" if n else ""
+
+
 def workers_table(data: dict[str, Any]) -> RenderableType:
     workers = data["workers"]
-    if not workers:
-        return Text("workers: none alive", style="yellow")
+    alive = sum(1 for w in workers if w.get("alive", True))
+    if not alive:
+        return Text(f"workers: none alive{_lost(len(workers))}", style="yellow")
     table = _table(
-        f"workers ({len(workers)} alive)", "worker", "server", "flight", "retry", "done", "failed", "beat"
+        f"workers ({alive} alive{_lost(len(workers) - alive)})",
+        "worker",
+        "server",
+        "flight",
+        "retry",
+        "done",
+        "failed",
+        "beat",
     )
     table.columns[0].overflow = table.columns[1].overflow = "ellipsis"
     table.columns[0].max_width = 18
@@ -123,7 +136,9 @@ def workers_table(data: dict[str, Any]) -> RenderableType:
             count(w["retrying"]),
             count(w["done"]),
             count(w["failed"]),
-            Text(duration(age) if age else "now", style="yellow" if age and age > 60 else ""),
+            Text("lost " + duration(age), style="red")
+            if not w.get("alive", True)
+            else Text(duration(age) if age else "now", style="yellow" if age and age > 60 else ""),
         )
     if len(workers) > MAX_WORKER_ROWS:
         table.add_row(f"... {len(workers) - MAX_WORKER_ROWS} more", "", "", "", "", "", "")

@@ -270,7 +270,8 @@ def run_command(
         audits = [verify.audit(conn, keys, out, name, paths) for name, paths in groups]
         for result in audits:
             name, done, failed = result.dataset, result.states["done"], result.states["failed"]
-            click.echo(f"{name}: {done} done, {failed} failed of {result.expected} -> {out / name}")
+            of = result.expected - result.rejected  # rows refused at enqueue are listed apart
+            click.echo(f"{name}: {done} done, {failed} failed of {of} -> {out / name}")
         tokens = totals(per_dataset)["completion_tokens"]
         click.echo(
             f"wall time {duration(time.monotonic() - started)}"

@@ -16,6 +16,7 @@ from genq.clock import redis_time
 from genq.keys import Keys
 from genq.progress import STATES, dataset_counts, stream_lag, worker_names
 from genq.redis_errors import not_now, refusing_writes
+from genq.settings import DEFAULT_HEARTBEAT_TTL_S
 
 
 def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
@@ -56,6 +57,10 @@ def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
                 "seeds": {"True": True, "False": False}.get(h.get("genq_seeds", "")),
                 "last_heartbeat": h.get("last_heartbeat"),
                 "heartbeat_age_s": round(max(0.0, now - beat), 1) if beat is not None else None,
+                # Its hash outlives a SIGKILLed worker by minutes (RQ's key TTL): a worker silent
+                # for longer than its own heartbeat TTL is dead, and its jobs are being taken back.
+                "alive": beat is not None
+                and now - beat <= (num("genq_heartbeat_ttl") or DEFAULT_HEARTBEAT_TTL_S),
             }
         )
     return out
