@@ -103,17 +103,23 @@ def wait_for_redis(conn: redis.Redis, url: str, give_up_after: float | None = No
     Redis may answer but refuse (still loading its AOF; MISCONF refuses even PING). A
     refused password fails at once; so does a Redis still unreachable after ``give_up_after``
     seconds (None: wait as long as it takes, as the daemons do for a Redis restarted mid-run)."""
-    deadline = None if give_up_after is None else time.monotonic() + give_up_after
+    started = time.monotonic()
+    deadline = None if give_up_after is None else started + give_up_after
+    waited = False
     for delay in backoff.doubling(0.5, 5.0):  # a Redis on its way up is met within seconds
         try:
             conn.ping()
+            if waited:
+                log.info("Redis answers after %.0f s (%s)", time.monotonic() - started, redact(url))
             return
         except redis.RedisError as exc:
             reason = not_now(exc)  # None for a refused password: it fails at once
             if reason is None or (deadline is not None and time.monotonic() + delay > deadline):
                 raise
-            left = "" if give_up_after is None else f", giving up {give_up_after:.0f} s after the first try"
-            log.warning("%s (%s); retrying in %.1f s%s", reason, redact(url), delay, left)
+            if not waited:  # one line when the wait starts, not one per try
+                left = "" if give_up_after is None else f", giving up after {give_up_after:.0f} s"
+                log.warning("%s (%s); waiting for it%s", reason, redact(url), left)
+                waited = True
         time.sleep(delay)
 
 

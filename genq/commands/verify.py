@@ -153,12 +153,14 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
     else:
         expected = _int(enqueued or b"", size)
     refused = _int(rejected or b"", size)
-    accounted = refused
+    somewhere = 0  # queued, in flight, retrying or on disk
     for bits in states.values():
-        accounted |= _int(bytes(bits.data), size)
+        somewhere |= _int(bytes(bits.data), size)
+    accounted = refused | somewhere
     result.expected = expected.bit_count()
     result.states = {k: v.count() for k, v in states.items()}
-    result.rejected = (expected & refused).bit_count()
+    # A row refused once and enqueued later (say with --clip-max-new-tokens) is counted where it is now.
+    result.rejected = (expected & refused & ~somewhere).bit_count()
     missing = expected & ~accounted
     result.missing_indexes = _set_bits(missing, size)
     result.missing = [
