@@ -64,10 +64,8 @@ _RUN_OWN = {
     "backend",
     "redis_url",
     "namespace",
-    "register_only",
-    "dry_run",
-    "rejects",
-    "redis_wait",
+    "register_only",  # run registers each dataset itself before its collector starts
+    "rejects",  # run writes them to OUT/<dataset>/rejected.jsonl
 }
 
 
@@ -158,6 +156,14 @@ def run_command(
     except sources.SourceError as exc:
         raise click.ClickException(str(exc)) from exc
     groups = [(dataset, paths)] if dataset else [(p.stem, [p]) for p in paths]
+    if _enqueue_options.get("dry_run"):  # what each enqueue would do; nothing is started
+        for name, group in groups:
+            argv = genq_command(
+                "enqueue", *map(str, group), "--dataset", name, *enqueue_argv(click.get_current_context())
+            )
+            if subprocess.run(argv).returncode not in (0, EXIT_REJECTED):
+                raise click.ClickException(f"the dry run of {name} failed (said above)")
+        return
     ctx = click.get_current_context()
     source = ctx.get_parameter_source("redis_url")
     embedded = source == click.core.ParameterSource.DEFAULT
