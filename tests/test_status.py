@@ -72,6 +72,7 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "genq_model": "m",
             "genq_seeds": "False",
             "genq_heartbeat_ttl": 60,
+            "genq_suspects": 4,
         },
     )
     conn.hset(keys.retrying(worker), "known", 2)
@@ -150,8 +151,10 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "last_heartbeat": utcformat(beat),
             "heartbeat_age_s": 3.0,
             "alive": True,
+            "suspects": 4,
         }
     ]
+    assert data["suspects"] == 4 and any("resent one at a time" in w for w in data["warnings"])
     # Silent for longer than its own heartbeat TTL: killed, though RQ keeps its hash for minutes.
     conn.hset(f"rq:worker:{worker}", "genq_heartbeat_ttl", 2)
     assert [w["alive"] for w in status(conn, keys, now=NOW)["workers"]] == [False]

@@ -98,6 +98,11 @@ class Attempts:
         """Suspects waiting for their turn: they hold no connection."""
         return self._probation.waiting
 
+    @property
+    def suspects(self) -> int:
+        """Jobs on probation after a server crash (resent one at a time): status says so."""
+        return len(self._suspects)
+
     def forget(self, job_id: str) -> None:
         """The job ended: it is no longer a suspect."""
         self._suspects.pop(job_id, None)

@@ -453,6 +453,7 @@ class Worker:
                 dict(self.attempts.retrying),
                 self.attempts.retries,
                 self.concurrency.target,
+                self.attempts.suspects,
             )
             await asyncio.sleep(REPORT_EVERY_S)
 

@@ -268,7 +268,9 @@ class Bookkeeper(BaseWorker):
             for t in chunk:
                 t.beat_at = sent_at
 
-    def report(self, in_flight: int, retrying: dict[str, int], retries: int, target: int) -> None:
+    def report(
+        self, in_flight: int, retrying: dict[str, int], retries: int, target: int, suspects: int
+    ) -> None:
         """genq's fields in the RQ worker hash, next to RQ's job counts, for status and monitor; and
         the per-dataset retrying counts rewritten whole (they survive a Redis restart this way)."""
         key = self.keys.retrying(self.name)
@@ -281,6 +283,7 @@ class Bookkeeper(BaseWorker):
                     "genq_retrying": sum(waiting.values()),
                     "genq_retries": retries,
                     "genq_target": target,  # jobs in flight it aims for (--concurrency, or auto's now)
+                    "genq_suspects": suspects,  # crash suspects on probation: resent one at a time
                 },
             )
             pipe.expire(self.key, self.heartbeat_ttl + 60)  # as RQ's own heartbeat does

@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from genq import failures
-from genq.commands.status import status
+from genq.commands.status import probation_warning, status
 from genq.connection import connect, redact
 from genq.keys import Keys
 from genq.progress import STATES
@@ -229,6 +229,7 @@ def frame(data: dict[str, Any], groups: list[failures.Group], url: str, at: floa
         Text(""),
         failures_table(groups),
         *quarantined_line(data),
+        *[Text(w, style="yellow") for w in filter(None, [probation_warning(data.get("suspects", 0))])],
         Text(""),
         lag_line(data),
     )

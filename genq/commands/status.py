@@ -51,6 +51,7 @@ def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
                 "done": num("successful_job_count") or 0,
                 "failed": num("failed_job_count") or 0,
                 "retries": num("genq_retries"),
+                "suspects": num("genq_suspects"),
                 "backend": h.get("genq_backend"),
                 "server_version": h.get("genq_version"),
                 "model": h.get("genq_model"),
@@ -115,6 +116,7 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
     now = now if now is not None else redis_time(conn)
     per_dataset = with_tokens(conn, keys, dataset_counts(conn, keys), now)
     alive = workers(conn, keys, now)
+    suspects = sum(w["suspects"] or 0 for w in alive if w["alive"])
     quarantined = entries.quarantined(conn, keys)
     return {
         "namespace": keys.namespace,
@@ -123,9 +125,11 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
         "workers": alive,
         "stream": stream_lag(conn, keys, now),
         "quarantined": quarantined,
+        "suspects": suspects,
         "warnings": [
             *_refusing_writes(conn),
             *warnings(datasets.load_all(conn, keys), alive),
+            *filter(None, [probation_warning(suspects)]),
             *_quarantined(keys, quarantined),
         ],
     }
@@ -142,6 +146,17 @@ def warnings(settings: dict[str, datasets.DatasetSettings], alive: list[dict[str
                 "(SGLang without --enable-deterministic-inference): they are not reproducible"
             )
     return out
+
+
+def probation_warning(suspects: int) -> str | None:
+    """Jobs a server crash dropped are resent one at a time (worker/probation.py): the run is slower
+    than its rate says until they pass, and the ETA does not know it."""
+    if not suspects:
+        return None
+    return (
+        f"{suspects:,} jobs dropped by a server crash are resent one at a time (probation, "
+        "docs/failures.md): slower than the ETA says until they pass"
+    )
 
 
 def _quarantined(keys: Keys, counts: dict[str, int]) -> list[str]:
