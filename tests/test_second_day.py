@@ -69,6 +69,7 @@ def test_run_from_a_folder_holding_a_genq_folder(tmp_path):
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 def test_two_runs_at_once_never_stop_each_others_processes(tmp_path):
     """A folder copied from a live run (its records of pids included) is run while the original
     still runs: the copy must not stop the original's Redis, and both finish exactly once. A second
@@ -110,6 +111,7 @@ def test_two_runs_at_once_never_stop_each_others_processes(tmp_path):
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 def test_a_double_ctrl_c_makes_no_crash_suspects(tmp_path):
     """Ctrl-C on a terminal signals the whole foreground process group. The run's children are not
     in it: the first Ctrl-C stops the workers while their server and Redis still answer (no server
