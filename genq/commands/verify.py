@@ -68,6 +68,7 @@ class Audit:
     duplicated: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
     command: str = ""
+    repair: str = ""  # reopens the missing jobs, so that `command` makes them again
     quarantined: int = 0  # stream entries that were not a worker's, in the dead letter (genq failed)
     bad_entries: int = 0  # such entries still in the stream: the collector moves them there
 
@@ -170,10 +171,8 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
     if result.in_source and len(result.missing) <= result.in_source:
         result.missing, result.missing_indexes = [], []  # enqueue --max-queued is still feeding them in
     given = " ".join(map(str, files)) if files else " ".join(settings.sources) or "<its files>"
-    result.command = (
-        f"genq verify --out {out} {given} --dataset {name} --repair, then the same `genq enqueue "
-        f"{given} --dataset {name} ...` (or `genq run`) again"
-    )
+    result.command = f"genq enqueue {given} --dataset {name}"
+    result.repair = f"genq verify --out {out} {given} --dataset {name} --repair"
     return result
 
 
@@ -262,7 +261,11 @@ def print_audit(result: Audit) -> None:
     if result.missing:
         shown = ", ".join(result.missing[:EXAMPLES])
         click.echo(f"{result.dataset}: MISSING {len(result.missing):,} (e.g. {shown})", err=True)
-        click.echo(f"{result.dataset}: put them back with: {result.command}", err=True)
+        click.echo(
+            f"{result.dataset}: put them back with: {result.repair}, then {result.command} (or the same "
+            "`genq run`) again",
+            err=True,
+        )
     if result.duplicated:
         shown = ", ".join(result.duplicated[:EXAMPLES])
         click.echo(f"{result.dataset}: DUPLICATED {len(result.duplicated):,} lines (e.g. {shown})", err=True)
