@@ -1,4 +1,6 @@
-"""The docs name only what exists: every flag and every GENQ_* variable in README.md and docs/*.md.
+"""The docs name only what exists: every flag and every GENQ_* variable in README.md and docs/*.md,
+every message they quote (genq's words, or another program's listed here), and every genq command
+line of their shell blocks (it parses as written; the recipes and README's demo also run).
 
 A flag is genq's (any command's, read from the live command line), a benchmark script's, or one of
 the other programs' flags listed in EXTERNAL with the program it belongs to. Where a line shows
@@ -8,11 +10,15 @@ environment variable, or is read somewhere in genq's code, units, compose file o
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 import pytest
@@ -215,3 +221,242 @@ def test_the_recipes_run_as_written(tmp_path, job):
         for i in range(10):
             rows = read_jsonl(tmp_path / "out-b" / f"set{i}" / "tokenized_data.jsonl")
             assert len(rows) == 20 and all(len(r["input_ids"]) == len(r["loss_mask"]) for r in rows)
+
+
+# -- the messages the docs quote --------------------------------------------------------------------
+
+# Words the docs quote from other programs, with the program that says them.
+FOREIGN_MESSAGES = {
+    "self-signed certificate in certificate chain": "OpenSSL",
+    "Do you wish to run the custom code": "transformers",
+    "command not allowed when used memory": "Redis",
+}
+HOLE = "\x00"  # where a message has a value: an f-string's {…}, a %-format's %s
+PERCENT_OR_BRACES = re.compile(r"%[-#0 +]*\d*(?:\.\d+)?[sdrfgixX]|\{[^{}]*\}")
+VALUE_WORDS = 3  # the most words a value stands for in a quote: a name, `genq sim-server`, a list
+TOKEN = re.compile(r"[,:;.]|[^\s,:;.]+")  # words, and the punctuation between them on its own
+# A word of prose: a run of three or more of them in a quoted message must be genq's own words.
+PROSE_WORD = re.compile(r"(?:[A-Z]?[a-z][a-z'-]*|a|I)[,:;.]?")
+# A code span that is a command, a path, JSON or a placeholder rather than a message; but
+# `--tokenizer X: ...` is a message about a flag's value.
+NOT_A_MESSAGE = re.compile(
+    r"(?:\$ )?(?:genq|python|pip|make|sudo|curl|redis-cli|sbatch|srun|podman|docker|systemctl|export|"
+    r"hf|bash|cd|rq|ssh|git|journalctl|squeue|scancel|kill|ls|cat|apt-get)\b|[-{\[\"$/.<]"
+)
+FLAG_SAYS = re.compile(r"--[a-z-]+ \S+: ")
+
+
+class Token(NamedTuple):
+    text: str  # as written, a value in it HOLE
+    pattern: re.Pattern  # the text, a value in it matching anything
+    value: bool  # the token is a value and nothing else
+    word: bool  # a word, not punctuation
+
+
+def _tokens(text: str) -> tuple[Token, ...]:
+    return tuple(
+        Token(t, re.compile(".*".join(map(re.escape, t.split(HOLE))), re.S), t == HOLE, t not in ",:;.")
+        for t in TOKEN.findall(text)
+    )
+
+
+class GenqMessages:
+    """Every string literal of genq's code but docstrings (f-strings and %-formats with their
+    values as holes), and whether a quote is one of them."""
+
+    def __init__(self) -> None:
+        self.messages = [m for m in map(_tokens, self._strings()) if sum(t.word for t in m) >= 2]
+        self.by_word: dict[str, list[int]] = {}
+        for n, message in enumerate(self.messages):
+            for token in message:
+                if token.word and not token.value:
+                    self.by_word.setdefault(token.text, []).append(n)
+        self._said: dict[tuple[str, ...], bool] = {}
+
+    @staticmethod
+    def _strings() -> set[str]:
+        found: set[str] = set()
+        for package in ("genq", "producer", "worker", "collector", "sim"):
+            for path in (ROOT / package).rglob("*.py"):
+                tree = ast.parse(path.read_text())
+                docstrings = {
+                    id(node.body[0].value)
+                    for node in ast.walk(tree)
+                    if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                    and node.body
+                    and isinstance(node.body[0], ast.Expr)
+                    and isinstance(node.body[0].value, ast.Constant)
+                }
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.JoinedStr):
+                        found.add(
+                            "".join(v.value if isinstance(v, ast.Constant) else HOLE for v in node.values)
+                        )
+                    elif (
+                        isinstance(node, ast.Constant)
+                        and isinstance(node.value, str)
+                        and id(node) not in docstrings
+                    ):
+                        found.add(PERCENT_OR_BRACES.sub(HOLE, node.value))
+        return found
+
+    def said(self, quote: tuple[str, ...]) -> bool:
+        """The quote's tokens are a stretch of one message, at least half its words (two at least)
+        word for word; a value of the message stands for up to VALUE_WORDS words of the quote, or
+        for another message (a cause after ``: ``, a reason before ``; retrying``)."""
+        if quote not in self._said:
+            self._said[quote] = False  # while it is being read: a message does not hold itself
+            words = [w for w in quote if w not in ",:;."]
+            need = max(2, (len(words) + 1) // 2)
+            candidates = {n for w in words for n in self.by_word.get(w, [])}
+            self._said[quote] = any(self._literal_words(quote, self.messages[n]) >= need for n in candidates)
+        return self._said[quote]
+
+    def _literal_words(self, quote: tuple[str, ...], message: tuple[Token, ...]) -> int:
+        """The most words of ``quote`` a stretch of ``message`` says word for word, two of them
+        (or its only one) its own rather than a message in its value (the quote's first token may
+        end one of the message's, its last begin one); below 0 if none reads as it."""
+        never = -(10**6)
+        mine = min(2, sum(t.word and not t.value for t in message))
+
+        @functools.cache
+        def best(i: int, j: int, own: int) -> int:
+            if i == len(quote):
+                return 0 if own >= mine else never
+            if j == len(message):
+                return never
+            token = message[j]
+            if token.value:
+                options, end, words = [best(i, j + 1, own)], i, 0
+                while end < len(quote) and words + (quote[end] not in ",:;.") <= VALUE_WORDS:
+                    words += quote[end] not in ",:;."
+                    end += 1
+                    options.append(best(end, j + 1, own))
+                # Another message in the value: to the quote's end, or up to the token after it.
+                after = message[j + 1].text if j + 1 < len(message) else None
+                for end in range(i + 3, len(quote) + 1):
+                    if (end == len(quote) or quote[end] == after) and self.said(quote[i:end]):
+                        options.append(sum(w not in ",:;." for w in quote[i:end]) + best(end, j + 1, own))
+                return max(options)
+            here = quote[i]
+            fits = token.pattern.fullmatch(here) or (
+                (i == 0 and token.text.endswith(here))
+                or (i == len(quote) - 1 and token.text.startswith(here))
+            )
+            return (token.word + best(i + 1, j + 1, min(2, own + token.word))) if fits else never
+
+        return max((best(0, j, 0) for j in range(len(message))), default=never)
+
+
+def _quoted_prose() -> list[tuple[str, tuple[str, ...], str]]:
+    """Runs of three or more prose words inside the docs' code spans that read as messages, as
+    tokens."""
+    found = []
+    for doc in DOCS:
+        text = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), doc.read_text(), flags=re.S)
+        for span in re.finditer(r"(`+)(.+?)\1", text, flags=re.S):
+            quoted = " ".join(span.group(2).split()).removeprefix("Error: ")  # click's prefix
+            if len(quoted.split()) < 4 or (NOT_A_MESSAGE.match(quoted) and not FLAG_SAYS.match(quoted)):
+                continue
+            where = f"{doc.relative_to(ROOT)}:{text.count(chr(10), 0, span.start()) + 1}"
+            run: list[str] = []
+            for word in [*quoted.split(), ""]:
+                if word and PROSE_WORD.fullmatch(word):
+                    run.append(word)
+                    continue
+                if len(run) >= 3:  # without the punctuation at its end: the message may stop there
+                    found.append((where, tuple(TOKEN.findall(" ".join(run).rstrip(",:;."))), quoted))
+                run = []
+    return found
+
+
+def test_the_messages_the_docs_quote_are_genqs_words():
+    """A message quoted in the docs (in a code span) is one genq's code can print: each run of
+    prose words in it is a string of genq's, its values standing for any words — or another
+    program's, listed in FOREIGN_MESSAGES."""
+    quoted = _quoted_prose()
+    assert len(quoted) > 40, "the docs' quoted messages were not found: the pattern is broken"
+    messages = GenqMessages()
+    wrong = [
+        f"{where}: {' '.join(tokens)!r} (in `{text[:100]}`)"
+        for where, tokens, text in quoted
+        if not any(f in text for f in FOREIGN_MESSAGES) and not messages.said(tokens)
+    ]
+    assert not wrong, "the docs quote words genq does not say:\n" + "\n".join(wrong)
+
+
+# -- the commands in the docs' shell blocks ---------------------------------------------------------
+
+
+def _shell_lines():
+    """Each `genq` command line of the docs' ``sh`` blocks (and ``$ genq`` lines of any block), its
+    continuation lines joined; lines with a placeholder (…) are the reader's to fill."""
+    for doc in DOCS:
+        text = doc.read_text()
+        for block in re.finditer(r"```(\w*)\n(.*?)```", text, flags=re.S):
+            first = text.count("\n", 0, block.start()) + 2
+            for offset, line in enumerate(block.group(2).replace("\\\n", " \n").split("\n")):
+                line = line.strip().removeprefix("$ ")
+                if block.group(1) not in ("sh", "bash") and not block.group(2).split("\n")[offset].startswith(
+                    "$ "
+                ):
+                    continue
+                if "…" in line or "..." in line:
+                    continue
+                yield f"{doc.relative_to(ROOT)}:{first + offset}", line
+
+
+def _genq_argv(line: str) -> list[str] | None:
+    """What follows `genq` on a shell line, up to the end of its command (a pipe, `;`, `&&`)."""
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError:
+        return None
+    for i, word in enumerate(words):
+        if (word == "genq" or word.endswith("/bin/genq")) and i + 1 < len(words):
+            rest = words[i + 1 :]
+            ends = [k for k, w in enumerate(rest) if w in ("|", "&&", ";", "&", "||")]
+            return rest[: ends[0]] if ends else rest
+    return None
+
+
+def _parse(command: click.Command, name: str, args: list[str]) -> None:
+    """Parse ``args`` as ``command`` would (its options, their values' types and choices, its
+    arguments), without touching files: a click.UsageError or BadParameter when they are wrong."""
+    ctx = click.Context(command, info_name=name)
+    if isinstance(command, click.Group) and args and not args[0].startswith("-"):
+        sub = command.get_command(ctx, args[0])
+        if sub is None:
+            raise click.UsageError(f"no command {args[0]!r}")
+        return _parse(sub, args[0], args[1:])
+    values, extra, _ = command.make_parser(ctx).parse_args(list(args))
+    if extra:
+        raise click.UsageError(f"extra arguments {extra}")
+    for param in command.params:
+        value = values.get(param.name)
+        if value is None or not isinstance(param.type, click.Choice | click.types._NumberParamTypeBase):
+            continue
+        for one in value if isinstance(value, list | tuple) else [value]:
+            param.type.convert(one, param, ctx)
+
+
+def test_the_docs_genq_commands_parse():
+    """Every `genq ...` line of the docs' shell blocks is one genq takes as written: the command
+    exists, its options are its own and have their values, numbers are numbers and choices are
+    among the choices (README's demo and docs/recipes.md also run, above and in test_run)."""
+    commands = _commands()
+    checked, wrong = 0, []
+    for where, line in _shell_lines():
+        argv = _genq_argv(line)
+        if not argv:
+            continue
+        checked += 1
+        command = commands.get(argv[0])
+        try:
+            if command is None:
+                raise click.UsageError(f"no command {argv[0]!r}")
+            _parse(command, argv[0], argv[1:])
+        except click.ClickException as exc:
+            wrong.append(f"{where}: genq {' '.join(argv)}: {exc.format_message()}")
+    assert checked > 20, "no genq command found in the docs' shell blocks: the pattern is broken"
+    assert not wrong, "\n".join(wrong)

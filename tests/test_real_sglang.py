@@ -332,7 +332,10 @@ def test_a_worker_killed_mid_run_repeats_only_what_was_in_flight(procs, sglang, 
     twice = sorted(job for job, n in mine.items() if n > 1)
     report(f"real SGLang, a worker SIGKILLed with 8 in flight: {wasted:.0f} generations repeated")
     assert len(mine) == len(prompts) and wasted == len(twice) and max(mine.values()) <= 2, twice
-    assert wasted <= 8, f"{wasted} generations repeated: {twice} (8 were in flight)"
+    # Besides the 8 at the server, the kill can catch results waiting for their group commit: a
+    # finished job gives its slot to the next at once and its result lingers up to LINGER_S (25 ms)
+    # for company (worker/commits.py), so one or two answers of the last instant die with it.
+    assert wasted <= 8 + 2, f"{wasted} generations repeated: {twice} (8 were in flight)"
     _check_exact(out, "wk", prompts, sglang.url)
 
 

@@ -8,6 +8,7 @@ The router is a Rust binary in a wheel (no GPU, no torch), in a venv built once 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import threading
 from pathlib import Path
@@ -20,6 +21,7 @@ from tests.engines import engine_python, post
 from tests.helpers import (
     check_records,
     genq_argv,
+    http,
     log_of,
     read_jsonl,
     server_load,
@@ -67,6 +69,14 @@ class Replica:
         return self.served_before + sim_stats(self.url)["generations"]
 
 
+def healthy_workers(router: str) -> set[str]:
+    """The replicas the router lists as healthy (``/workers``); none while it does not listen."""
+    status, body = http(router + "/workers")
+    if status != 200:
+        return set()
+    return {w["url"] for w in json.loads(body).get("workers", []) if w.get("is_healthy")}
+
+
 @pytest.fixture
 def replicas(request, tmp_path):
     """Two simulator replicas (their flags: the test's indirect parameter, else SIM_FLAGS)."""
@@ -102,7 +112,11 @@ def router(request, replicas, tmp_path):
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: server_up(url), 60, "the router to listen")
+        # Its /health answers as soon as it listens; the replicas are registered after that, one
+        # by one (a request in between goes to those already there): wait for /workers to list both.
+        wait_until(
+            lambda: healthy_workers(url) == {r.url for r in replicas}, 60, "the router to list both replicas"
+        )
         yield url
     finally:
         proc.terminate()
