@@ -73,6 +73,7 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "genq_seeds": "False",
             "genq_heartbeat_ttl": 60,
             "genq_suspects": 4,
+            "genq_probation_s": 1800,  # 4 suspects, a send lately 450 s
         },
     )
     conn.hset(keys.retrying(worker), "known", 2)
@@ -152,9 +153,11 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "heartbeat_age_s": 3.0,
             "alive": True,
             "suspects": 4,
+            "probation_s": 1800.0,
         }
     ]
-    assert data["suspects"] == 4 and any("resent one at a time" in w for w in data["warnings"])
+    assert data["suspects"] == 4 and data["probation_s"] == 1800.0
+    assert "about 30 min 0 s until they pass (the ETA counts it)" in " ".join(data["warnings"])
     # Silent for longer than its own heartbeat TTL: killed, though RQ keeps its hash for minutes.
     conn.hset(f"rq:worker:{worker}", "genq_heartbeat_ttl", 2)
     assert [w["alive"] for w in status(conn, keys, now=NOW)["workers"]] == [False]
@@ -164,6 +167,32 @@ def test_status_reads_known_counters_exactly(conn, namespace):
         "collector": None,  # "fresh" has no collector
         "collectors": {"fresh": None, "known": "host:1:abc", "legacy": "host:1:abc"},
     }
+
+
+def test_the_eta_waits_for_crash_suspects_to_pass_one_at_a_time(conn, namespace):
+    """Suspects are resent one at a time (probation): the ETA is at least the time the slowest
+    worker's suspects take, each as long as its sends lately; unknown before a send was timed,
+    and a worker's unreadable figure is unknown, not zero."""
+    keys = Keys(namespace)
+    _register(conn, keys, "only", enqueued=100, done=50)
+    conn.hset(keys.tokens("only"), mapping={"records": 50, "prompt_tokens": 500, "completion_tokens": 5000,
+                                            "first_at": NOW - 100, "last_at": NOW - 1})  # fmt: skip
+    conn.set(keys.rate_bucket("only", int((NOW - 50) // BUCKET_S)), 5000)
+    by_rate = status(conn, keys, now=NOW)["datasets"]["only"]["eta_s"]  # 50 left × 100 tokens / rate
+    assert by_rate is not None and by_rate < 600
+    worker = f"{keys.worker_prefix}host.1.abc"
+    conn.sadd("rq:workers", f"rq:worker:{worker}")
+    beat = utcformat(dt.datetime.fromtimestamp(NOW - 1, dt.UTC))
+    conn.hset(
+        f"rq:worker:{worker}", mapping={"last_heartbeat": beat, "genq_suspects": 6, "genq_probation_s": 900}
+    )
+    data = status(conn, keys, now=NOW)
+    assert data["datasets"]["only"]["eta_s"] == data["totals"]["eta_s"] == 900.0
+    for unknown in ("", "nan", "-5", "soon"):
+        conn.hset(f"rq:worker:{worker}", "genq_probation_s", unknown)
+        data = status(conn, keys, now=NOW)
+        assert data["probation_s"] is None and data["totals"]["eta_s"] == by_rate, unknown
+        assert "slower than the ETA says until they pass" in " ".join(data["warnings"])
 
 
 @pytest.mark.slow

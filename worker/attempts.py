@@ -32,6 +32,8 @@ from worker.probation import Probation
 from worker.rq_worker import Bookkeeper, Finished, Taken
 
 log = logging.getLogger("genq.worker")
+# How fast send_s follows the sends: each answer moves it a fifth of the way to its own duration.
+SEND_S_WEIGHT = 0.2
 
 # A conversation's turn being sent: (0-based index, number of turns); None for a single prompt.
 TurnOf = tuple[int, int] | None
@@ -92,6 +94,7 @@ class Attempts:
         self._probation = Probation()
         self._suspects: dict[str, Tries] = {}  # job id -> its tries, for jobs on probation
         self._aborts: set[asyncio.Task] = set()
+        self.send_s: float | None = None  # how long a send takes lately (None before the first answer)
 
     @property
     def waiting(self) -> int:
@@ -102,6 +105,14 @@ class Attempts:
     def suspects(self) -> int:
         """Jobs on probation after a server crash (resent one at a time): status says so."""
         return len(self._suspects)
+
+    @property
+    def probation_s(self) -> float | None:
+        """About how long the suspects take to pass, one at a time, each as long as a send takes
+        lately; None while no send has been timed."""
+        if not self._suspects:
+            return 0.0
+        return None if self.send_s is None else len(self._suspects) * self.send_s
 
     def forget(self, job_id: str) -> None:
         """The job ended: it is no longer a suspect."""
@@ -188,10 +199,10 @@ class Attempts:
                 },
             )
             return RETRY
-        metrics.attempt(time.monotonic() - sent, None)
-        self.concurrency.answered(
-            time.monotonic() - sent, answer.completion_tokens, answer.prompt_tokens, spec.max_new_tokens
-        )
+        took = time.monotonic() - sent
+        metrics.attempt(took, None)
+        self.concurrency.answered(took, answer.completion_tokens, answer.prompt_tokens, spec.max_new_tokens)
+        self.send_s = took if self.send_s is None else self.send_s + SEND_S_WEIGHT * (took - self.send_s)
         self.gate.served_one()
         tries.attempt = attempt
         return answer

@@ -454,6 +454,7 @@ class Worker:
                 self.attempts.retries,
                 self.concurrency.target,
                 self.attempts.suspects,
+                self.attempts.probation_s,
             )
             await asyncio.sleep(REPORT_EVERY_S)
 

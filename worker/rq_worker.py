@@ -269,7 +269,13 @@ class Bookkeeper(BaseWorker):
                 t.beat_at = sent_at
 
     def report(
-        self, in_flight: int, retrying: dict[str, int], retries: int, target: int, suspects: int
+        self,
+        in_flight: int,
+        retrying: dict[str, int],
+        retries: int,
+        target: int,
+        suspects: int,
+        probation_s: float | None,
     ) -> None:
         """genq's fields in the RQ worker hash, next to RQ's job counts, for status and monitor; and
         the per-dataset retrying counts rewritten whole (they survive a Redis restart this way)."""
@@ -284,6 +290,8 @@ class Bookkeeper(BaseWorker):
                     "genq_retries": retries,
                     "genq_target": target,  # jobs in flight it aims for (--concurrency, or auto's now)
                     "genq_suspects": suspects,  # crash suspects on probation: resent one at a time
+                    # about how long they take to pass ("" while unknown): status's ETA counts it
+                    "genq_probation_s": "" if probation_s is None else round(probation_s, 1),
                 },
             )
             pipe.expire(self.key, self.heartbeat_ttl + 60)  # as RQ's own heartbeat does

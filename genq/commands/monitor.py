@@ -229,7 +229,10 @@ def frame(data: dict[str, Any], groups: list[failures.Group], url: str, at: floa
         Text(""),
         failures_table(groups),
         *quarantined_line(data),
-        *[Text(w, style="yellow") for w in filter(None, [probation_warning(data.get("suspects", 0))])],
+        *[
+            Text(w, style="yellow")
+            for w in filter(None, [probation_warning(data.get("suspects", 0), data.get("probation_s"))])
+        ],
         Text(""),
         lag_line(data),
     )

@@ -17,6 +17,7 @@ from genq.keys import Keys
 from genq.progress import STATES, dataset_counts, stream_lag, worker_names
 from genq.redis_errors import not_now, refusing_writes
 from genq.settings import DEFAULT_HEARTBEAT_TTL_S
+from genq.terminal import duration
 
 
 def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
@@ -52,6 +53,7 @@ def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
                 "failed": num("failed_job_count") or 0,
                 "retries": num("genq_retries"),
                 "suspects": num("genq_suspects"),
+                "probation_s": seconds(h.get("genq_probation_s")),
                 "backend": h.get("genq_backend"),
                 "server_version": h.get("genq_version"),
                 "model": h.get("genq_model"),
@@ -65,6 +67,31 @@ def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def seconds(raw: str | None) -> float | None:
+    """A duration a worker reported (Redis content: anything but a finite number ≥ 0 is unknown)."""
+    try:
+        value = float(raw) if raw else None
+    except ValueError:
+        return None
+    return value if value is not None and 0 <= value < float("inf") else None
+
+
+def probation_s(alive: list[dict[str, Any]]) -> float | None:
+    """How long the slowest worker's crash suspects take to pass, one at a time (0 without any);
+    None when a worker holding some has not timed a send yet."""
+    holding = [w for w in alive if w["alive"] and w["suspects"]]
+    if any(w["probation_s"] is None for w in holding):
+        return None
+    return max((w["probation_s"] for w in holding), default=0.0)
+
+
+def with_probation(eta_s: float | None, passing_s: float | None) -> float | None:
+    """An ETA that waits for the suspects too: they pass one at a time, beside the other jobs."""
+    if eta_s is None or passing_s is None:
+        return eta_s
+    return _round(max(eta_s, passing_s))
 
 
 def with_tokens(conn: redis.Redis, keys: Keys, counts: dict[str, dict[str, int]], now: float) -> dict:
@@ -117,19 +144,27 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
     per_dataset = with_tokens(conn, keys, dataset_counts(conn, keys), now)
     alive = workers(conn, keys, now)
     suspects = sum(w["suspects"] or 0 for w in alive if w["alive"])
+    passing_s = probation_s(alive)
+    everything = totals(per_dataset)
+    if suspects:
+        everything["eta_s"] = with_probation(everything["eta_s"], passing_s)
+        if len(per_dataset) == 1:  # the suspects are that dataset's
+            only = next(iter(per_dataset.values()))
+            only["eta_s"] = with_probation(only["eta_s"], passing_s)
     quarantined = entries.quarantined(conn, keys)
     return {
         "namespace": keys.namespace,
         "datasets": per_dataset,
-        "totals": totals(per_dataset),
+        "totals": everything,
         "workers": alive,
         "stream": stream_lag(conn, keys, now),
         "quarantined": quarantined,
         "suspects": suspects,
+        "probation_s": passing_s if suspects else None,
         "warnings": [
             *_refusing_writes(conn),
             *warnings(datasets.load_all(conn, keys), alive),
-            *filter(None, [probation_warning(suspects)]),
+            *filter(None, [probation_warning(suspects, passing_s)]),
             *_quarantined(keys, quarantined),
         ],
     }
@@ -148,15 +183,18 @@ def warnings(settings: dict[str, datasets.DatasetSettings], alive: list[dict[str
     return out
 
 
-def probation_warning(suspects: int) -> str | None:
+def probation_warning(suspects: int, passing_s: float | None) -> str | None:
     """Jobs a server crash dropped are resent one at a time (worker/probation.py): the run is slower
-    than its rate says until they pass, and the ETA does not know it."""
+    than its token rate says until they pass; the ETA counts them once a send has been timed."""
     if not suspects:
         return None
-    return (
+    said = (
         f"{suspects:,} jobs dropped by a server crash are resent one at a time (probation, "
-        "docs/failures.md): slower than the ETA says until they pass"
+        "docs/failures.md): "
     )
+    if passing_s is None:
+        return said + "slower than the ETA says until they pass"
+    return said + f"about {duration(passing_s)} until they pass (the ETA counts it)"
 
 
 def _quarantined(keys: Keys, counts: dict[str, int]) -> list[str]:
