@@ -13,7 +13,11 @@ from collections import Counter
 
 import pytest
 
+from genq.backends import Http
+from genq.backends.llamacpp import LlamaCpp
 from genq.backends.load import Load
+from genq.schema import JobSpec
+from tests.engines import post
 from tests.helpers import (
     finish_run,
     log_of,
@@ -236,3 +240,25 @@ def test_load_reads_llama_servers_slots(llama):
     """/slots (on by default): busy slots are the running batch, the slot count its size; without
     --metrics there is no waiting count."""
     assert server_load(llama.url, "llamacpp") == Load(source="/slots", running=0, max_running=SLOTS)
+
+
+def test_greedy_sends_top_k_1_and_sampling_keeps_the_whole_vocabulary(llama):
+    """What the server reads from genq's body (its answer's generation_settings): at temperature 0
+    top_k 1 — the same token, without the sampler running over every id of the vocabulary per token
+    (genq/backends/llamacpp.py) — and the output the server gives a plain greedy request; with
+    sampling, top_k off unless the dataset set one, never llama.cpp's default of 40."""
+    prompts = tiny_prompts(4, seed=3)
+    greedy = direct(llama.url, prompts, MAX_NEW)
+    backend = LlamaCpp(Http(llama.url))
+
+    def settings(ids: list[int], **sampling) -> dict:
+        params = {"max_new_tokens": MAX_NEW, **sampling}
+        spec = JobSpec(dataset="d", row=0, sample=0, id="d-0", input_ids=ids, sampling_params=params)
+        answer = post(llama.url, "/completion", backend.body(spec))[1]
+        return {**answer["generation_settings"], "tokens": answer["tokens"]}
+
+    for ids, expected in zip(prompts, greedy, strict=True):
+        read = settings(ids, temperature=0)
+        assert (read["top_k"], read["tokens"]) == (1, expected)
+    assert settings(prompts[0], temperature=0.7)["top_k"] == 0
+    assert settings(prompts[0], temperature=0, top_k=5)["top_k"] == 5

@@ -127,6 +127,14 @@ class LlamaCpp(Backend):
                     "bad_request", f"sampling key {key!r} has no llama.cpp equivalent", cost=Cost.FATAL
                 )
             body[KEYS[key][0]] = value
+        if body.get("temperature") == 0 and "top_k" not in spec.sampling_params:
+            # Greedy: the one most likely token, whatever top_k says. Top-k off (0) would leave the
+            # whole vocabulary to the sampler chain, which then runs expf over every id for every
+            # token of every slot on the server's one main thread (src/llama-sampler.cpp
+            # llama_sampler_temp_impl, llama_sampler_dist_apply): with Kimi's 163,840 ids that cost
+            # the server half its speed (bench/real_engine.py --n-vocab). top_k 1 cuts the list to
+            # that token first, as cheap as the server's own default of 40.
+            body["top_k"] = 1
         for name, neutral in KEYS.values():
             if neutral is not None:
                 body.setdefault(name, neutral)

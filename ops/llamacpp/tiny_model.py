@@ -122,13 +122,18 @@ def _spm_segment(text: str, index: dict[str, int]) -> list[str]:
         syms[i : i + 2] = [syms[i] + syms[i + 1]]
 
 
-def build_vocab(n_vocab: int = N_VOCAB) -> tuple[list[str], list[float], list[int], list[tuple[str, str]]]:
-    """Return (tokens, scores, token_types, merges) of the tiny SPM vocabulary.
+def build_vocab(
+    n_vocab_total: int = N_VOCAB,
+) -> tuple[list[str], list[float], list[int], list[tuple[str, str]]]:
+    """Return (tokens, scores, token_types, merges) of the tiny SPM vocabulary: N_VOCAB pieces,
+    then control pieces up to ``n_vocab_total``.
 
     ``merges`` holds, in id order, the single split of every multi-character
     ordinary piece; it is exactly the merge list a HF BPE model needs.
     """
     import gguf  # local import: keeps `build_vocab` usable for the HF export's reader too
+
+    n_vocab = N_VOCAB
 
     tokens: list[str] = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(N_BYTE)]
     types: list[int] = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
@@ -194,13 +199,20 @@ def build_vocab(n_vocab: int = N_VOCAB) -> tuple[list[str], list[float], list[in
         if cand not in index and n_splits(cand) == 1 and keeps_splits_unique(cand):
             add(cand, (cand[0], cand[1]))
 
+    # A real model's vocabulary size (--n-vocab, for benchmarks: the server's sampling costs grow
+    # with it): reserved control pieces past the ordinary ones, as real vocabularies hold them.
+    while len(tokens) < n_vocab_total:
+        index[f"<unused{len(tokens)}>"] = len(tokens)
+        tokens.append(f"<unused{len(tokens)}>")
+        types.append(gguf.TokenType.CONTROL)
+
     # SPM scores: 0 for special/byte tokens, then strictly decreasing with the id.
     scores = [0.0] * FIRST_PIECE_ID + [-float(i) for i in range(len(tokens) - FIRST_PIECE_ID)]
     merges = [split_of[t] for t in tokens[FIRST_PIECE_ID:] if t in split_of]
     return tokens, scores, [int(t) for t in types], merges
 
 
-def _weights(seed: int) -> dict[str, np.ndarray]:
+def _weights(seed: int, n_vocab: int = N_VOCAB) -> dict[str, np.ndarray]:
     """Random f32 tensors named as llama.cpp's llama loader expects (shape = rows, cols)."""
     rng = np.random.default_rng(seed)
     head_dim = N_EMBD // N_HEAD
@@ -210,11 +222,11 @@ def _weights(seed: int) -> dict[str, np.ndarray]:
 
     ones = np.ones(N_EMBD, dtype=np.float32)
     t: dict[str, np.ndarray] = {
-        "token_embd.weight": normal(N_VOCAB, N_EMBD, std=1.0),
+        "token_embd.weight": normal(n_vocab, N_EMBD, std=1.0),
         "output_norm.weight": ones.copy(),
         # A larger output scale makes the next-token distribution peaked, so greedy
         # decoding is not decided by float noise between near-equal logits.
-        "output.weight": normal(N_VOCAB, N_EMBD, std=0.5),
+        "output.weight": normal(n_vocab, N_EMBD, std=0.5),
     }
     for i in range(N_LAYER):
         p = f"blk.{i}."
@@ -230,18 +242,18 @@ def _weights(seed: int) -> dict[str, np.ndarray]:
     return t
 
 
-def write_model(path: str | Path, seed: int = 0) -> Path:
+def write_model(path: str | Path, seed: int = 0, n_vocab: int = N_VOCAB) -> Path:
     """Write the tiny llama GGUF to *path* and return it."""
     import gguf
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tokens, scores, types, _ = build_vocab()
+    tokens, scores, types, _ = build_vocab(n_vocab)
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"genq-tiny-llama-seed{seed}")
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_vocab_size(N_VOCAB)
+    w.add_vocab_size(n_vocab)
     w.add_context_length(N_CTX_TRAIN)
     w.add_embedding_length(N_EMBD)
     w.add_block_count(N_LAYER)
@@ -264,7 +276,7 @@ def write_model(path: str | Path, seed: int = 0) -> Path:
     w.add_add_space_prefix(True)
     w.add_chat_template(CHAT_TEMPLATE)
 
-    for name, arr in _weights(seed).items():
+    for name, arr in _weights(seed, n_vocab).items():
         w.add_tensor(name, arr)
 
     w.write_header_to_file()
@@ -328,8 +340,16 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("out", help="path of the .gguf file to write")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     ap.add_argument("--hf-tokenizer", metavar="DIR", help="also save a matching HF tokenizer to DIR")
+    ap.add_argument(
+        "--n-vocab",
+        type=int,
+        default=N_VOCAB,
+        help=f"vocabulary size, unused control pieces past the first {N_VOCAB} (benchmarks: a real model's)",
+    )
     args = ap.parse_args(list(argv) if argv is not None else None)
-    print(write_model(args.out, seed=args.seed))
+    if args.n_vocab < N_VOCAB:
+        ap.error(f"--n-vocab must be at least {N_VOCAB}")
+    print(write_model(args.out, seed=args.seed, n_vocab=args.n_vocab))
     if args.hf_tokenizer:
         print(write_hf_tokenizer(args.hf_tokenizer))
     return 0
