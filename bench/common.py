@@ -34,6 +34,24 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_s(pid: int) -> float:
+    """utime + stime of a process and every descendant running now (SGLang's and vLLM's engine
+    processes are children of their API server's)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        one = todo.pop()
+        total += cpu_s(one)
+        todo.extend(children.get(one, []))
+    return total
+
+
 def machine() -> dict[str, object]:
     return {
         "nproc": os.cpu_count(),

@@ -1,17 +1,24 @@
 """genq against a bare client on the same real engine, a tiny model made for the run.
 
     python bench/real_engine.py [--engine sglang|vllm|llamacpp] [--prompts 2000] [--max-new-tokens 32]
-                                [--concurrency 16]
+                                [--concurrency 16,64] [--rounds 2] [--auto] [--n-vocab N]
 
 One real server: SGLang or vLLM on the CPU (their venvs from ops/engines/, the tiny Hugging Face
-llama of ops/engines/tiny_model.py) or llama.cpp's llama-server (``-t 1 --parallel 8``, built by
-ops/llamacpp/build-server.sh, a tiny GGUF). First a bare aiohttp client sends every prompt (greedy,
-the given number in flight, the engine's own token-id API) and waits for all answers; then genq
-does the same work end to end — a private redis-server, `genq enqueue` (prefilled), one `genq
-worker --burst` and `genq collect --burst` — until both processes exit. Side by side in one run:
-requests/s, generated tokens/s and their ratio, CPU per job of genq's own processes. The two cores
-are shared by the server, the client and genq, so the ratio is what to read. Results go to
-bench/results/<engine>.json.
+llama of ops/engines/tiny_model.py) or llama.cpp's llama-server (``-t 1``, built by
+ops/llamacpp/build-server.sh, a tiny GGUF; ``--n-vocab`` gives it a real model's vocabulary size,
+which is what the server's sampler pays for), its batch as large as the most in flight. For each
+number in flight, ``--rounds`` rounds of: a bare aiohttp client sending every prompt (greedy, the
+engine's own token-id API) and waiting for every answer; then genq doing the same work end to end
+— a private redis-server, `genq enqueue` (prefilled), one `genq worker --burst` and `genq collect
+--burst` — until both exit; with ``--auto`` also genq at ``--concurrency auto``. Alternating
+(ABAB), so a server that speeds up or slows down as it runs favours neither, and the spread over
+rounds is reported.
+
+Side by side: requests/s and tokens/s, the ratio to the bare client of the same round, the
+server's own CPU per request (its whole process tree: the engine-side evidence — a server that
+works harder for genq's requests than for the bare client's shows it here), and genq's CPU per
+job by process (worker, collector, Redis). The two cores are shared by the server, the client and
+genq, so the ratios are what to read. Results go to bench/results/<engine>.json.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +45,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import cpu_s, machine  # noqa: E402
+from bench.common import cpu_s, machine, tree_cpu_s  # noqa: E402
 from genq.commands.embedded import EmbeddedRedis, free_port  # noqa: E402
 from tests.engines import (  # noqa: E402
     EngineServer,
@@ -47,7 +55,7 @@ from tests.engines import (  # noqa: E402
     vllm_server,
     write_tiny_model,
 )
-from tests.llama import LlamaServer, server_binary, tiny_prompts, write_model  # noqa: E402
+from tests.llama import TINY_MODEL, LlamaServer, server_binary, tiny_prompts  # noqa: E402
 
 # Each engine's token-id API: the request body, and the generated ids in its answer.
 REQUESTS: dict[str, tuple[str, Callable[[list[int], int], dict], Callable[[dict], list[int]]]] = {
@@ -87,11 +95,18 @@ async def bare(engine: str, url: str, prompts: list[list[int]], n_predict: int, 
         return sum(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def run_genq(engine: str, url: str, data: Path, work: Path, n_predict: int, concurrency: int) -> dict:
+def run_bare(engine: str, url: str, prompts: list[list[int]], n_predict: int, concurrency: int) -> dict:
+    started = time.monotonic()
+    tokens = asyncio.run(bare(engine, url, prompts, n_predict, concurrency))
+    return {"wall_s": time.monotonic() - started, "records": len(prompts), "tokens": tokens}
+
+
+def run_genq(engine: str, url: str, data: Path, work: Path, n_predict: int, concurrency: str) -> dict:
+    """genq end to end, timed from the worker's spawn to the last process's exit; each process's CPU."""
     work.mkdir(parents=True)
     redis = EmbeddedRedis(work / "redis", port=free_port())
     env = {**os.environ, "GENQ_REDIS_URL": redis.start(), "GENQ_NAMESPACE": "bench"}
-    genq = [sys.executable, "-m", "genq"]
+    genq = [sys.executable, "-P", "-m", "genq"]
     try:
         subprocess.run(
             [*genq, "enqueue", str(data), "--max-new-tokens", str(n_predict), "--temperature", "0"],
@@ -99,67 +114,77 @@ def run_genq(engine: str, url: str, data: Path, work: Path, n_predict: int, conc
             check=True,
             capture_output=True,
         )
+        assert redis.proc is not None
+        redis_pid = redis.proc.pid
+        redis_before = cpu_s(redis_pid)
         started = time.monotonic()
-        procs = [
-            subprocess.Popen(
-                [
-                    *genq,
-                    "worker",
-                    "--server",
-                    url,
-                    "--backend",
-                    engine,
-                    "--burst",
-                    "--concurrency",
-                    str(concurrency),
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            ),
-            subprocess.Popen(
+        worker = [
+            *genq,
+            "worker",
+            "--server",
+            url,
+            "--backend",
+            engine,
+            "--burst",
+            "--concurrency",
+            concurrency,
+        ]
+        procs = {
+            "worker": subprocess.Popen(worker, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+            "collector": subprocess.Popen(
                 [*genq, "collect", "--out", str(work / "out"), "--burst"],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             ),
-        ]
-        cpu = {p.pid: 0.0 for p in procs}
-        while any(p.poll() is None for p in procs):
-            for p in procs:
+        }
+        cpu = dict.fromkeys(procs, 0.0)
+        while any(p.poll() is None for p in procs.values()):
+            for name, p in procs.items():
                 if p.poll() is None:
-                    cpu[p.pid] = cpu_s(p.pid)
+                    cpu[name] = cpu_s(p.pid)  # read while it runs: a reaped process has none
             time.sleep(0.05)
         wall = time.monotonic() - started
-        assert all(p.returncode == 0 for p in procs), [p.returncode for p in procs]
+        cpu["redis"] = cpu_s(redis_pid) - redis_before
+        assert all(p.returncode == 0 for p in procs.values()), {n: p.returncode for n, p in procs.items()}
         lines = (work / "out" / "bench" / "raw_responses.jsonl").read_bytes().splitlines()
         tokens = sum(orjson.loads(line)["completion_tokens"] for line in lines)
-        return {"wall_s": wall, "records": len(lines), "tokens": tokens, "cpu_s": sum(cpu.values())}
+        return {"wall_s": wall, "records": len(lines), "tokens": tokens, "cpu_s": cpu}
     finally:
         redis.stop()
 
 
 @contextlib.contextmanager
 def engine_server(
-    engine: str, work: Path, *flags: str
-) -> Iterator[tuple[str, Callable[[int], list[list[int]]]]]:
-    """(the server's URL, prompts of its tiny vocabulary) while the server runs, started with the
-    tests' flags and then ``flags`` (the last of a repeated flag wins in each engine)."""
+    engine: str, work: Path, batch: int, n_vocab: int | None
+) -> Iterator[tuple[str, int, Callable[[int], list[list[int]]]]]:
+    """(the server's URL, its pid, prompts of its tiny vocabulary) while the server runs, started
+    with the tests' flags, and room for ``batch`` requests running at once."""
     if engine == "llamacpp":
-        model, _ = write_model(work)
+        model = work / "model.gguf"
+        vocab = ["--n-vocab", str(n_vocab)] if n_vocab else []
+        subprocess.run([sys.executable, str(TINY_MODEL), str(model), *vocab], check=True, capture_output=True)
+        flags = ("--parallel", str(batch), "-c", str(512 * batch))
         server: LlamaServer | EngineServer = LlamaServer(server_binary(), model, work / "server.log", *flags)
         prompts = partial(tiny_prompts, seed=7)
     else:
         python = engine_python(engine)
         model = write_tiny_model(python, work / "model")
-        start = sglang_server if engine == "sglang" else vllm_server
-        server = start(python, model, work / "server.log", *flags)
+        if engine == "sglang":
+            server = sglang_server(python, model, work / "server.log", "--max-running-requests", str(batch))
+        else:
+            server = vllm_server(python, model, work / "server.log", "--max-num-seqs", str(batch))
         prompts = partial(hf_prompts, seed=7)
     server.start()
     try:
-        yield server.url, prompts
+        assert server.proc is not None
+        yield server.url, server.proc.pid, prompts
     finally:
         server.stop()
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.2f}–{max(values):.2f}" if len(values) > 1 else f"{values[0]:.2f}"
 
 
 def main() -> int:
@@ -167,53 +192,73 @@ def main() -> int:
     ap.add_argument("--engine", choices=sorted(REQUESTS), default="sglang")
     ap.add_argument("--prompts", type=int, default=2000)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--concurrency", default="16,64", help="in flight, comma-separated (default 16,64)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of bare, genq (ABAB) per setting")
+    ap.add_argument("--auto", action="store_true", help="also genq at --concurrency auto, each round")
+    ap.add_argument("--n-vocab", type=int, default=None, help="llamacpp: the tiny model's vocabulary size")
     args = ap.parse_args()
     engine = args.engine
+    settings = [int(c) for c in args.concurrency.split(",")]
+    clients = ["bare", "genq", *(["genq auto"] if args.auto else [])]
+    runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix=f"genq-bench-{engine}-") as tmp:
         work = Path(tmp)
-        with engine_server(engine, work) as (url, make_prompts):
+        with engine_server(engine, work, max(settings), args.n_vocab) as (url, server_pid, make_prompts):
             prompts = make_prompts(args.prompts)
             data = work / "bench.jsonl"
             data.write_bytes(b"".join(orjson.dumps({"input_ids": p}) + b"\n" for p in prompts))
-            asyncio.run(bare(engine, url, prompts[:50], args.max_new_tokens, args.concurrency))  # warm up
-            # ABBA: bare, genq, genq, bare, so a server that speeds up (or slows down) as it runs
-            # favours neither; the ratio is of the summed wall times.
-            rows = {}
-            for i, client in enumerate(("bare", "genq", "genq", "bare")):
-                name = f"{client} ({i + 1})"
-                if client == "genq":
-                    rows[name] = run_genq(
-                        engine, url, data, work / f"genq-{i}", args.max_new_tokens, args.concurrency
-                    )
-                    continue
-                started = time.monotonic()
-                tokens = asyncio.run(bare(engine, url, prompts, args.max_new_tokens, args.concurrency))
-                rows[name] = {"wall_s": time.monotonic() - started, "records": len(prompts), "tokens": tokens}
-                rows[name]["cpu_s"] = None
-    bare_wall = sum(r["wall_s"] for n, r in rows.items() if n.startswith("bare")) / 2
+            asyncio.run(bare(engine, url, prompts[:50], args.max_new_tokens, max(settings)))  # warm up
+            for concurrency in settings:
+                for round_ in range(1, args.rounds + 1):
+                    for client in clients:
+                        before = tree_cpu_s(server_pid)
+                        if client == "bare":
+                            row = run_bare(engine, url, prompts, args.max_new_tokens, concurrency)
+                        else:
+                            flight = "auto" if client == "genq auto" else str(concurrency)
+                            folder = work / f"genq-{len(runs)}"
+                            row = run_genq(engine, url, data, folder, args.max_new_tokens, flight)
+                        row["server_cpu_s"] = tree_cpu_s(server_pid) - before
+                        runs.append({"client": client, "concurrency": concurrency, "round": round_, **row})
+                        print(json.dumps(runs[-1]), flush=True)
     table = Table(
-        title=f"{engine} (tiny model, CPU), {args.prompts} prompts, {args.max_new_tokens} new tokens, "
-        f"{args.concurrency} in flight"
+        title=f"{engine} (tiny model{f', {args.n_vocab:,}-id vocabulary' if args.n_vocab else ''}, CPU), "
+        f"{args.prompts} prompts, {args.max_new_tokens} new tokens; {args.rounds} rounds each, alternating"
     )
-    for col in ("client", "wall s", "requests/s", "tokens/s", "vs bare", "genq CPU ms/job"):
+    columns = ("in flight", "client", "requests/s", "tokens/s", "vs bare", "server CPU ms/request")
+    for col in (*columns, "genq CPU ms/job: worker", "collector", "Redis", "all"):
         table.add_column(col, justify="right")
-    for name, r in rows.items():
-        rate = r["records"] / r["wall_s"]
-        table.add_row(
-            name,
-            f"{r['wall_s']:.1f}",
-            f"{rate:.0f}",
-            f"{r['tokens'] / r['wall_s']:.0f}",
-            f"{bare_wall / r['wall_s']:.2f}",  # against the mean of the two bare runs
-            f"{1000 * r['cpu_s'] / r['records']:.2f}" if r["cpu_s"] is not None else "-",
-        )
-    Console().print(table)
+    summary: dict[str, dict[str, float]] = {}
+    for concurrency in settings:
+        mine = [r for r in runs if r["concurrency"] == concurrency]
+        bare_wall = {r["round"]: r["wall_s"] for r in mine if r["client"] == "bare"}
+        for client in clients:
+            rows = [r for r in mine if r["client"] == client]
+            ratios = [bare_wall[r["round"]] / r["wall_s"] for r in rows]
+            per_job = {
+                name: [1000 * r["cpu_s"][name] / r["records"] for r in rows]
+                for name in ("worker", "collector", "redis")
+                if client != "bare"
+            }
+            total = [1000 * sum(r["cpu_s"].values()) / r["records"] for r in rows] if client != "bare" else []
+            table.add_row(
+                str(concurrency),
+                client,
+                spread([r["records"] / r["wall_s"] for r in rows]),
+                spread([r["tokens"] / r["wall_s"] for r in rows]),
+                spread(ratios),
+                spread([1000 * r["server_cpu_s"] / r["records"] for r in rows]),
+                *(spread(v) for v in per_job.values()),
+                *([spread(total)] if total else ["-"] * 4),
+            )
+            if client != "bare":
+                summary[f"{client} at {concurrency}"] = {
+                    "vs_bare_mean": statistics.mean(ratios),
+                    "cpu_ms_per_job_mean": statistics.mean(total),
+                }
+    Console(width=200).print(table)
     out = ROOT / "bench" / "results" / f"{engine}.json"
-    genq_wall = sum(r["wall_s"] for n, r in rows.items() if n.startswith("genq")) / 2
-    print(f"genq / bare, requests per second, summed over both runs each: {bare_wall / genq_wall:.2f}")
-    summary = {"genq_vs_bare": bare_wall / genq_wall}
-    result = {"machine": machine(), "args": vars(args), "rows": rows, **summary}
+    result = {"machine": machine(), "args": vars(args), "runs": runs, "summary": summary}
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"written to {out.relative_to(ROOT)}")
     return 0
