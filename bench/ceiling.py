@@ -27,11 +27,13 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections import defaultdict
 from pathlib import Path
 
 import orjson
@@ -129,6 +131,42 @@ def reaped(procs: list[subprocess.Popen], ended: dict[int, tuple[float, float]])
     return len(ended) == len(procs)
 
 
+def profile(proc: subprocess.Popen, prefix: Path) -> list[subprocess.Popen]:
+    """py-spy sampling ``proc`` from now (its start-up is behind it) until it exits, without pausing
+    it (--nonblocking): its collapsed stacks (``prefix``.txt, a stack and its sample count per line,
+    what :func:`top_frames` reads; speedscope and flamegraph.pl open it) and a flame graph
+    (``prefix``.svg). py-spy writes one format per run, so two samplers."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    if spy is None:
+        raise SystemExit("--profile needs py-spy: pip install 'genq[bench]'")
+    base = [spy, "record", "--gil", "--rate", "500", "--pid", str(proc.pid)]
+    return [
+        subprocess.Popen([*base, "--format", fmt, "--output", f"{prefix}.{ext}"], stdout=subprocess.DEVNULL)
+        for fmt, ext in (("raw", "txt"), ("flamegraph", "svg"))
+    ]
+
+
+def top_frames(collapsed: Path, n: int = 5) -> list[tuple[str, float, float]]:
+    """The ``n`` functions with the most samples of their own (self), from py-spy's collapsed
+    stacks: (function and file, self share, inclusive share: samples with it anywhere on the stack).
+    Idle waiting (the event loop's select) counts as a function like any other."""
+    own: dict[str, int] = defaultdict(int)
+    anywhere: dict[str, int] = defaultdict(int)
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [frame.rsplit(":", 1)[0] for frame in stack.split(";")[1:]]  # the first is the thread
+        if not frames:
+            continue
+        total += int(count)
+        own[frames[-1]] += int(count)
+        for frame in set(frames):
+            anywhere[frame] += int(count)
+    ranked = sorted(own, key=own.__getitem__, reverse=True)[:n]
+    return [(frame, own[frame] / total, anywhere[frame] / total) for frame in ranked]
+
+
 def records_on_disk(raw: Path) -> int:
     return raw.read_bytes().count(b"\n") if raw.exists() else 0
 
@@ -163,6 +201,12 @@ def run_genq(cluster: Cluster, data: Path, n: int, args: argparse.Namespace, wor
         ready_cpu(p, cluster.work / f"{ns}-worker{i}.log", "serving", deadline) for i, p in enumerate(procs)
     ]
     started = time.monotonic() - t0
+    named = {f"worker{i}": p for i, p in enumerate(procs)} | {"collector": collector}
+    profilers = (
+        [s for name, proc in named.items() for s in profile(proc, args.profile / name)]
+        if args.profile
+        else []
+    )
     raw = out / dataset / "raw_responses.jsonl"
     last_record = None
     memory: list[int] = []
@@ -178,6 +222,8 @@ def run_genq(cluster: Cluster, data: Path, n: int, args: argparse.Namespace, wor
             raise TimeoutError("genq's processes did not exit")
         time.sleep(0.005)
     redis_cpu = cluster.redis_cpu() - redis_cpu0
+    for profiler in profilers:
+        profiler.wait(60)  # it writes its files once the process it samples has exited
     commands = {
         name.removeprefix("cmdstat_"): {"calls_per_job": c["calls"] / n, "us_per_job": c["usec"] / n}
         for name, c in cluster.conn.info("commandstats").items()
@@ -299,6 +345,23 @@ def report(
     }
 
 
+def report_profile(folder: Path) -> dict:
+    """Each sampled process's top five functions by their own samples (the flame graphs beside)."""
+    out = {}
+    for collapsed in sorted(folder.glob("*.txt")):
+        table = Table(
+            title=f"{collapsed.stem}: where its samples were (py-spy, {collapsed.with_suffix('.svg')})"
+        )
+        for col in ("function (file)", "self", "inclusive"):
+            table.add_column(col, justify="left" if col.startswith("function") else "right")
+        top = top_frames(collapsed)
+        for frame, own, anywhere in top:
+            table.add_row(frame, f"{own:.0%}", f"{anywhere:.0%}")
+        console.print(table)
+        out[collapsed.stem] = [{"function": f, "self": o, "inclusive": a} for f, o, a in top]
+    return out
+
+
 def soak(args: argparse.Namespace, work: Path) -> dict:
     """The long run: zero latency, two workers, --max-queued; Redis memory sampled every second."""
     cluster = Cluster(work, ZERO)
@@ -326,6 +389,12 @@ def main() -> int:
     ap.add_argument("--enqueue", type=int, default=50_000, help="prompts for the enqueue rate")
     ap.add_argument("--soak", type=int, default=0, help="run the long soak with this many prompts instead")
     ap.add_argument("--max-queued", type=int, default=5000, help="the soak's --max-queued")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="sample the worker and the collector with py-spy (pip install genq[bench]) into this folder",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="genq-ceiling-") as tmp:
         work = Path(tmp)
@@ -345,9 +414,13 @@ def main() -> int:
             finally:
                 cluster.close()
             result = report(args, (bare_wall, bare_cpu), process, genq, enq)
+            if args.profile:
+                result["profile"] = report_profile(args.profile)
             name = "ceiling.json"
     dest = ROOT / "bench" / "results" / name
-    dest.write_text(json.dumps({"machine": machine(), "args": vars(args), **result}, indent=2) + "\n")
+    dest.write_text(
+        json.dumps({"machine": machine(), "args": vars(args), **result}, indent=2, default=str) + "\n"
+    )
     console.print(f"written to {dest.relative_to(ROOT)}")
     return 0
 
