@@ -7,13 +7,18 @@ load (``Backend.load()``, about once a second) and moves one target between a fl
 ceiling (``--max-concurrency``), AIMD-style so that several workers on one server converge
 without oscillating:
 
-- shrink ×0.7 on new retractions/preemptions, ×0.85 on a long waiting queue or a growing one;
+- shrink ×0.7 on new retractions/preemptions, ×0.85 on a long waiting queue or a growing one,
+  and by its share of the excess as soon as every batch slot the server has (``max_running``)
+  is busy and more wait than refill the slots that free between two steps: such a queue adds
+  latency, not work (a server that does not publish its queue, llama.cpp without /metrics:
+  down to the slots when this worker alone has more in flight than it has);
 - hold while a small queue keeps the batch fed, the KV cache is nearly full, every slot is busy,
   or this worker is not using its target (no jobs, draining);
-- grow otherwise: from the start (TCP's slow start) ×2, or at once to every batch slot the
-  server has (``max_running``), while the KV cache would hold every job at its longest (prompt +
-  max_new_tokens) and the server has not pushed back (a queue, a retraction); then ×1.25 while
-  the KV cache is under half full (and no shrink for CAREFUL steers), else by 1/16; never past
+- grow otherwise: from the start (TCP's slow start) ×2, or at once to every free batch slot,
+  while the KV cache would hold every job at its longest (prompt + max_new_tokens; a server
+  that publishes no cache size, llama.cpp, is bounded by its slots alone) and the server has not
+  pushed back (a queue, a retraction); then ×1.25 while the KV cache is under half full (and
+  no shrink for CAREFUL steers), else by 1/16; never past
   what the KV cache holds in steady state: jobs at every stage of their output at once, each
   holding on average its prompt and half its output, with three standard deviations of margin
   for the moments when many are late in their lives (its usage now lags: each running job's
@@ -147,8 +152,17 @@ class Concurrency:
         small = max(2, running // 16)  # enough to fill the slots that free between two steps
         if new_preempted or (waiting is not None and waiting > small):
             self._slow_start = False
+        full = bool(load.max_running) and running >= (load.max_running or 0)
         if new_preempted:
             return self._times(SHRINK_PREEMPTED), f"{new_preempted} requests retracted or preempted"
+        if full and waiting is not None and waiting > small:
+            # Every slot busy: a queue beyond what refills the slots freeing is latency, not work.
+            # This worker takes back its share of the excess (several workers: each its own).
+            excess = math.ceil((waiting - small) * busy / max(1, running + waiting))
+            return self.target - excess, f"{waiting} requests waiting for {load.max_running} busy slots"
+        if full and waiting is None and busy > running + small:
+            # The queue unpublished: this worker alone has more in flight than the slots take.
+            return running + small, f"{busy} in flight for {load.max_running} busy slots"
         if waiting is not None and waiting > max(8, running // 4):
             return self._times(SHRINK_QUEUE), f"{waiting} requests waiting"
         if waiting is not None and waiting > small and growing:
@@ -157,13 +171,17 @@ class Concurrency:
             return self.target, f"{waiting} requests waiting"
         if load.kv_usage is not None and load.kv_usage >= KV_TARGET:
             return self.target, f"KV cache {load.kv_usage:.0%} full"
-        if waiting is None and load.max_running and running >= load.max_running:
+        if full:
             return self.target, f"all {load.max_running} slots busy"
         if busy < USING * self.target:
             return self.target, f"{busy} in flight, under the target"
         at_server = running + (waiting or 0)
         if self._slow_start:
             longest = self._room_longest(load, at_server)
+            if longest is None and load.max_running and not load.kv_tokens:
+                # The cache's size unpublished (llama.cpp: a slot's cache is its own): the slots
+                # are the bound, and a server that over-admits still says so by retracting.
+                longest = load.max_running - at_server
             if longest is not None and longest > 0:
                 new = max(self.target + 1, int(self.target * SLOW_START))
                 if load.max_running and at_server < load.max_running:  # fill every slot at once

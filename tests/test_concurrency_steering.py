@@ -1,0 +1,62 @@
+"""The steering of ``--concurrency auto`` (worker/concurrency.py), one reading of the server's load
+at a time: where the answer follows from the reading alone, it is asserted here, exactly; how the
+target moves against a live server is tests/test_concurrency.py's."""
+
+from __future__ import annotations
+
+from genq.backends.load import Load
+from worker.concurrency import FLOOR, START, Concurrency
+
+
+def auto(ceiling: int = 1024) -> Concurrency:
+    return Concurrency(START, FLOOR, ceiling, auto=True, reason="start")
+
+
+def test_free_slots_of_a_server_without_a_published_cache_size_fill_at_once():
+    """llama.cpp publishes its slots and no KV size (a slot's cache is its own): a 15-second run
+    must not spend its first ten seconds growing ×1.25 a second towards 512 slots."""
+    c = auto()
+    load = Load("/slots", running=START, waiting=None, max_running=512)
+    assert c.steer(load, busy=START)
+    assert c.target == 512, c.reason
+    assert "slow start" in c.reason
+
+
+def test_a_known_cache_size_still_bounds_the_slow_start():
+    """With the KV size known, free slots are filled only as far as the longest jobs fit."""
+    c = auto()
+    for _ in range(16):
+        c.answered(1.0, output_tokens=100, prompt_tokens=100, max_new_tokens=400)
+    load = Load("/v1/loads", running=START, waiting=0, kv_usage=0.1, max_running=512, kv_tokens=20_000)
+    c.steer(load, busy=START)
+    assert c.target == int(0.90 * 20_000 / 500), c.reason  # KV_TARGET of the cache, jobs at 500 tokens
+
+
+def test_a_queue_behind_busy_slots_is_given_back_by_this_workers_share():
+    """SGLang with 8 running requests at most: every one of this worker's jobs beyond the slots and
+    the few that refill them waits in the server's queue, adding latency and no tokens."""
+    c = Concurrency(16, FLOOR, 1024, auto=True)
+    c.steer(Load("/v1/loads", running=8, waiting=8, max_running=8), busy=16)
+    assert c.target == 10, c.reason  # the 8 slots and 2 to refill those that free
+    assert "waiting for 8 busy slots" in c.reason
+
+
+def test_two_workers_each_give_back_their_own_share():
+    c = Concurrency(32, FLOOR, 1024, auto=True)
+    c.steer(Load("/v1/loads", running=32, waiting=32, max_running=32), busy=32)
+    assert c.target == 32 - 15, c.reason  # half of the 30 in excess: the other worker's is its own
+
+
+def test_a_server_that_hides_its_queue_is_sent_no_more_than_its_slots():
+    """llama.cpp without /metrics: all 4 slots busy and 32 of this worker's jobs in flight."""
+    c = auto()
+    c.steer(Load("/slots", running=4, waiting=None, max_running=4), busy=START)
+    assert c.target == FLOOR, c.reason  # 4 slots + 2, never under the floor
+    assert "in flight for 4 busy slots" in c.reason
+
+
+def test_busy_slots_and_a_small_queue_hold_the_target():
+    """Every slot busy and just enough waiting to refill them: growing would only queue."""
+    c = Concurrency(66, FLOOR, 1024, auto=True)
+    assert not c.steer(Load("/v1/loads", running=64, waiting=2, max_running=64), busy=66)
+    assert c.target == 66
