@@ -18,7 +18,8 @@ Side by side: requests/s and tokens/s, the ratio to the bare client of the same 
 server's own CPU per request (its whole process tree: the engine-side evidence — a server that
 works harder for genq's requests than for the bare client's shows it here), and genq's CPU per
 job by process (worker, collector, Redis). The two cores are shared by the server, the client and
-genq, so the ratios are what to read. Results go to bench/results/<engine>.json.
+genq, so the ratios are what to read. Results go to bench/results/<engine>.json
+(<engine>-vocab-<N>.json with ``--n-vocab``).
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ def main() -> int:
                     "cpu_ms_per_job_mean": statistics.mean(total),
                 }
     Console(width=200).print(table)
-    out = ROOT / "bench" / "results" / f"{engine}.json"
+    vocab = f"-vocab-{args.n_vocab}" if args.n_vocab else ""
+    out = ROOT / "bench" / "results" / f"{engine}{vocab}.json"
     result = {"machine": machine(), "args": vars(args), "runs": runs, "summary": summary}
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"written to {out.relative_to(ROOT)}")

@@ -1,0 +1,107 @@
+"""`genq failed` and `genq retry`: the terminal failures of a namespace, grouped, and put back."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import click
+import orjson
+from rich.table import Table
+
+from genq import entries, failures, terminal
+from genq.commands.run_redis import out_option, redis_of, require_datasets
+from genq.connection import connect
+from genq.keys import Keys
+from genq.settings import option, redis_options
+
+
+@click.command("failed")
+@option("--dataset", env="GENQ_FAILED_DATASET", default=None, help="Only this dataset.")
+@option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@out_option("failed")
+@redis_options
+def failed_command(
+    dataset: str | None, as_json: bool, out: Path | None, redis_url: str, namespace: str
+) -> None:
+    """Terminal failures, grouped by reason (error class and the server's message), and the
+    stream entries quarantined because they were not a worker's result (the last 100 of each dataset)."""
+    with redis_of(out, redis_url, namespace) as (url, auth, namespace):
+        conn = connect(url, **auth)
+        require_datasets(conn, namespace, url)
+        keys = Keys(namespace)
+        groups = failures.group(failures.failures(conn, keys, dataset))
+        counts = entries.quarantined(conn, keys)
+        letters = [
+            letter
+            for name in sorted(counts)
+            if dataset in (None, name)
+            for letter in entries.dead_letters(conn, keys, name)
+        ]
+    if as_json:
+        data = [{"error": g.error, "message": g.message, "count": len(g.ids), "ids": g.ids} for g in groups]
+        quarantined = [dataclasses.asdict(letter) for letter in letters]
+        click.echo(
+            orjson.dumps({"groups": data, "quarantined": quarantined}, option=orjson.OPT_INDENT_2).decode()
+        )
+        return
+    if not groups and not letters:
+        click.echo("no failed jobs")
+        return
+    if groups:
+        table = Table(title=f"failed jobs in namespace {namespace!r}")
+        for col in ("count", "error", "message", "e.g."):
+            table.add_column(col, justify="right" if col == "count" else "left", overflow="fold")
+        for g in groups:
+            table.add_row(str(len(g.ids)), g.error, g.message, ", ".join(g.ids[:3]))
+        terminal.console().print(table)
+    if letters:
+        total = sum(n for name, n in counts.items() if dataset in (None, name))
+        table = Table(
+            title=f"{total:,} stream entries quarantined: not a worker's result (last 100 per dataset)"
+        )
+        for col in ("dataset", "entry", "found at", "why"):
+            table.add_column(col, overflow="fold")
+        for letter in letters:
+            table.add_row(letter.dataset, letter.entry, letter.found_at, letter.reason)
+        terminal.console().print(table)
+
+
+@click.command("retry")
+@option(
+    "--reason",
+    env="GENQ_RETRY_REASON",
+    default=None,
+    help="Only failures whose error class or message contains TEXT.",
+)
+@option("--all", "retry_all", env="GENQ_RETRY_ALL", is_flag=True, help="Every failure.")
+@option("--dataset", env="GENQ_RETRY_DATASET", default=None, help="Only this dataset.")
+@out_option("retry")
+@redis_options
+def retry_command(
+    reason: str | None,
+    retry_all: bool,
+    dataset: str | None,
+    out: Path | None,
+    redis_url: str,
+    namespace: str,
+) -> None:
+    """Put terminal failures back on their queues, each with a fresh attempt budget.
+
+    Idempotent: a failure is retried once; run it again and it finds nothing new.
+    """
+    if not reason and not retry_all:
+        raise click.UsageError("say which: --reason TEXT or --all")
+    with redis_of(out, redis_url, namespace) as (url, auth, namespace):
+        conn = connect(url, **auth)
+        require_datasets(conn, namespace, url)
+        keys = Keys(namespace)
+        chosen = [
+            f
+            for f in failures.failures(conn, keys, dataset)
+            if retry_all or reason.lower() in f"{f.error} {f.message}".lower()
+        ]
+        retried, waiting = failures.retry(conn, keys, chosen)
+    click.echo(
+        f"retried {retried}" + (f"; {waiting} not in errors.jsonl yet, left for now" if waiting else "")
+    )
