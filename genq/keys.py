@@ -32,6 +32,8 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``attempts``               hash   job id -> sends charged to the prompt so far, across workers
 - ``spared``                 hash   job id -> sends the server failed and the prompt was spared (bounded)
 - ``crashes``                hash   job id -> server crashes it was in flight at (bounded: ``suspect_crash``)
+- ``pieces``                 hash   job id -> the output so far of a job continued in pieces (JSON: ids,
+                                    texts, attempts per piece), so a crash costs at most one piece
 - ``turns``                  hash   job id -> the finished turns of a conversation job (JSON), so another
                                     worker goes on from the first unfinished one
 - ``maintenance``            string when anyone last reaped abandoned jobs (Redis time): one reap per interval
@@ -125,9 +127,14 @@ class Keys:
         return self.prefix + "turns"
 
     @property
+    def pieces(self) -> str:
+        return self.prefix + "pieces"
+
+    @property
     def job_state(self) -> tuple[str, ...]:
-        """genq's per-job state (counters, finished turns): cleared when the job ends or is retried."""
-        return (self.attempts, self.spared, self.crashes, self.turns)
+        """genq's per-job state (counters, finished turns and pieces): cleared when the job ends or is
+        retried."""
+        return (self.attempts, self.spared, self.crashes, self.turns, self.pieces)
 
     @property
     def collector_offsets(self) -> str:
@@ -210,6 +217,7 @@ class Keys:
         shared = {
             self.datasets: "hash", self.in_stream: "hash", self.quarantined: "hash", self.in_source: "hash",
             self.attempts: "hash", self.spared: "hash", self.crashes: "hash", self.turns: "hash",
+            self.pieces: "hash",
             self.collector_offsets: "hash", self.maintenance_lock: "string",
         }  # fmt: skip
         for name in datasets:

@@ -115,6 +115,8 @@ class JobSpec:
     tools: list[dict[str, Any]] | None = None  # the row's function declarations (OpenAI ``tools``)
     # A chat backend's template switches ({"thinking": false}), sent with the request: the server renders.
     chat_template_kwargs: dict[str, Any] | None = None
+    # Continue an output cut at max_new_tokens up to this many tokens, a piece at a time (worker/pieces.py).
+    continue_to: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_kwargs(self) -> dict[str, Any]:
@@ -169,7 +171,7 @@ _SPEC_TYPES: dict[str, type] = {
     "dataset": str, "row": int, "sample": int, "id": str, "sampling_params": dict, "input_ids": list,
     "text": str, "source_id": str, "messages": list, "think": dict, "keep_prompt": bool, "turns": str,
     "template": dict, "logprobs": int, "batch": dict, "tools": list, "chat_template_kwargs": dict,
-    "extra": dict,
+    "continue_to": int, "extra": dict,
 }  # fmt: skip
 _KIND_WORDS = {
     str: "a string",

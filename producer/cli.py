@@ -112,6 +112,15 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
     "OUT/<dataset>/logprobs.bin (backends sglang and vllm).",
 )
 @option(
+    "--continue-to",
+    type=click.IntRange(min=2),
+    default=None,
+    metavar="N",
+    help="Continue an output cut at --max-new-tokens, a piece of at most that many tokens at a time "
+    "(prompt + output so far as token ids), until the model stops or the output has N tokens; a crash "
+    "costs one piece.",
+)
+@option(
     "--keep-prompt/--no-keep-prompt", default=True, help="Keep input_ids and the conversation in records."
 )
 @sampling_options
@@ -210,6 +219,7 @@ def enqueue_command(
     system_prompt,
     turns,
     logprobs,
+    continue_to,
     keep_prompt,
     sampling: Sampling,
     replace_settings,
@@ -272,6 +282,8 @@ def enqueue_command(
     if logprobs is not None and turns == "all":
         raise click.UsageError("--logprobs is not kept for --turns all conversations yet")
     server_renders = backend == "openai-chat"
+    if continue_to is not None:
+        _check_continue_to(continue_to, sampling.params()["max_new_tokens"], server_renders, turns, logprobs)
     if server_renders and tokenizer:
         raise click.UsageError(
             "--tokenizer renders prompts into token ids; the openai-chat backend sends messages"
@@ -346,6 +358,7 @@ def enqueue_command(
         max_queued=max_queued,
         max_row_bytes=max_row_bytes,
         row_base=row_base,
+        continue_to=continue_to,
         # The server renders (a chat backend): the template's switches go with each request.
         server_kwargs=chat_template_kwargs if server_renders and chat_template_kwargs else None,
     )
@@ -469,6 +482,27 @@ def hint_hash_encoding(conn: redis.Redis, keys: Keys) -> None:
 def print_summary(name: str, summary: Summary) -> None:
     counts = summary.as_dict()
     click.echo(f"{name}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+
+
+def _check_continue_to(
+    continue_to: int, max_new_tokens: int, server_renders: bool, turns: str, logprobs: int | None
+) -> None:
+    """--continue-to sends prompt + output so far as token ids (worker/pieces.py): refused in one
+    line where that cannot be done."""
+    if continue_to <= max_new_tokens:
+        raise click.UsageError(
+            f"--continue-to {continue_to} must be above --max-new-tokens {max_new_tokens}: each request asks "
+            "for at most --max-new-tokens (a piece), continued up to --continue-to"
+        )
+    if server_renders:
+        raise click.UsageError(
+            "--continue-to sends the prompt and the output so far as token ids; the openai-chat backend "
+            "sends messages (give --tokenizer and a token backend: sglang, vllm or llamacpp)"
+        )
+    if turns == "all":
+        raise click.UsageError("--continue-to continues one answer; it does not go with --turns all")
+    if logprobs is not None:
+        raise click.UsageError("--continue-to keeps no --logprobs across pieces yet: leave one of them out")
 
 
 def enqueue_main() -> None:

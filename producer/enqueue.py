@@ -75,6 +75,7 @@ class Options:
     # chat_template_kwargs a chat backend sends with each request (the server renders); with a
     # tokenizer they are the template's own (template.kwargs).
     server_kwargs: dict[str, Any] | None = None
+    continue_to: int | None = None  # outputs continued in pieces up to this many tokens (worker/pieces.py)
 
     def prompting(self) -> dict[str, Any]:
         """The dataset settings (decision 12) these options fix; defaults left out."""
@@ -95,6 +96,7 @@ class Options:
             "keep_prompt": None if self.keep_prompt else False,
             "clip_max_new_tokens": self.clip or None,
             "split": self.split,
+            "continue_to": self.continue_to,
         }
         return {k: v for k, v in values.items() if v is not None}
 
@@ -199,6 +201,13 @@ def checked(item: Row | Rejected, params: dict[str, Any], options: Options) -> R
         item = check_vocab(item, limits.vocab_size)
     if isinstance(item, Row) and item.prompt.sampling is not None:
         item = check_recipe(item, options.row_base if options.row_base is not None else params, params)
+    if isinstance(item, Row) and options.continue_to is not None and item.prompt.input_ids is None:
+        item = Rejected(
+            item.where,
+            item.row,
+            "--continue-to needs the prompt as token ids, and this row is text: give --tokenizer (or rows "
+            "of input_ids)",
+        )
     if isinstance(item, Row):
         max_new = int(params["max_new_tokens"])
         item = check_fits(item, max_new, limits.context_length, options.clip, limits.max_input_len)
@@ -401,6 +410,7 @@ class _Pusher:
             batch=prompt.batch,
             tools=prompt.tools,
             chat_template_kwargs=options.server_kwargs,
+            continue_to=options.continue_to,
         )
         described = f"{settings.name} row {item.row}" + (f" sample {sample}" if settings.samples > 1 else "")
         return self.keys.job_id(spec.id), spec.to_kwargs(), described

@@ -121,6 +121,11 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
 @_option("--health-timeout", default=20.0, type=click.FloatRange(0.0), help="SGLANG_HEALTH_CHECK_TIMEOUT.")
 @_option("--min-len", default=model.DEFAULT_MIN_LEN, type=click.IntRange(1), help="Shortest natural output.")
 @_option("--max-len", default=model.DEFAULT_MAX_LEN, type=click.IntRange(1), help="Longest natural output.")
+@_option(
+    "--autoregressive",
+    is_flag=True,
+    help="Each token a function of every id before it: an output made in pieces equals the one-shot one.",
+)
 @_option("--latency", default="zero", type=click.Choice(["zero", "realistic"]), help="Latency model.")
 @_option("--decode-step-ms", default=20.0, type=click.FloatRange(0.0), help="One decode step, batch of 1.")
 @_option(
@@ -185,6 +190,7 @@ def sim_server(
     health_timeout: float,
     min_len: int,
     max_len: int,
+    autoregressive: bool,
     latency: str,
     decode_step_ms: float,
     batch_knee: float,
@@ -244,6 +250,7 @@ def sim_server(
             health_timeout_s=health_timeout,
             min_len=min_len,
             max_len=max_len,
+            autoregressive=autoregressive,
             latency=latency,
             decode_step_s=decode_step_ms / 1000.0,
             batch_knee=batch_knee,

@@ -104,7 +104,9 @@ async def _run(
         return await _hang(request, state, flight, served)
     if not state.config.deterministic:  # accepted and ignored, as without deterministic inference
         params = {k: v for k, v in params.items() if k != "sampling_seed"}
-    gen = model.generate(input_ids, params, min_len=state.config.min_len, max_len=state.config.max_len)
+    config = state.config
+    lengths = {"min_len": config.min_len, "max_len": config.max_len}
+    gen = model.generate(input_ids, params, **lengths, autoregressive=config.autoregressive)
     served.gen, served.done = gen, gen.completion_tokens
     if state.scheduler is None:
         state.stats.tokens_generated += gen.completion_tokens

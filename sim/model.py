@@ -135,12 +135,36 @@ def _trimmed_text(
     return detokenize(output_ids, skip_special)
 
 
+class _Autoregressive:
+    """Each token a function of every id before it (prompt and output alike), as a real model's
+    greedy decode is: a prompt extended by the first k output tokens continues into the same
+    remaining tokens, so an output made in pieces equals the one-shot output exactly. Lengths are
+    geometric (EOS with probability 1 / the middle of [min_len, max_len] at each token): where the
+    prompt ends is not known to a model that sees only ids."""
+
+    def __init__(self, input_ids: Sequence[int], seed: int, eos_every: int) -> None:
+        self.state = seed.to_bytes(16, "little")
+        self.eos_every = eos_every
+        for token in input_ids:
+            self.push(token)
+
+    def push(self, token: int) -> None:
+        self.state = hashlib.blake2b(self.state + token.to_bytes(8, "little"), digest_size=16).digest()
+
+    def eos(self) -> bool:
+        return int.from_bytes(self.state[8:], "little") % self.eos_every == 0
+
+    def randrange(self, low: int, high: int) -> int:
+        return low + int.from_bytes(self.state[:8], "little") % (high - low)
+
+
 def generate(
     input_ids: Sequence[int],
     sampling_params: Mapping[str, Any] | None = None,
     *,
     min_len: int = DEFAULT_MIN_LEN,
     max_len: int = DEFAULT_MAX_LEN,
+    autoregressive: bool = False,
 ) -> Generation:
     """Generate the deterministic answer to input_ids.
 
@@ -151,6 +175,8 @@ def generate(
     min_new_tokens, no_stop_trim and skip_special_tokens act as in SGLang. A max_new_tokens of None
     means the SGLang default (128); the server resolves it against the context before calling.
     Token i depends only on (prompt, seed, i), so a shorter limit yields a prefix of a longer one.
+    ``autoregressive``: token i depends on every id before it (:class:`_Autoregressive`); greedy
+    (temperature 0) ignores the seed there, as a real engine's argmax does.
     """
     params = sampling_params or {}
     if not 1 <= min_len <= max_len:
@@ -162,20 +188,30 @@ def generate(
     stop_ids = {int(t) for t in _as_list(params.get("stop_token_ids")) if t is not None}
     stop_strs = [s for s in _as_list(params.get("stop")) if s]
 
-    rng = random.Random(_stream_seed(input_ids, params.get("sampling_seed"), _shaping(params)))
-    eos_pos = max(rng.randint(min_len, max_len) - 1, min_new)
+    rng: random.Random | _Autoregressive
+    if autoregressive:
+        greedy = params.get("temperature") is not None and float(params["temperature"]) == 0.0
+        seed = None if greedy else params.get("sampling_seed")
+        rng = _Autoregressive(input_ids, _stream_seed((), seed, _shaping(params)), (min_len + max_len) // 2)
+        eos_pos = -1
+    else:
+        rng = random.Random(_stream_seed(input_ids, params.get("sampling_seed"), _shaping(params)))
+        eos_pos = max(rng.randint(min_len, max_len) - 1, min_new)
     words = len(_WORDS)
     output_ids: list[int] = []
     text = "" if stop_strs else None  # built only when stop strings must be matched
     max_stop_len = max(map(len, stop_strs), default=0)
     matched: int | str | None = None
     for pos in range(limit):
-        if pos == eos_pos and not ignore_eos:
+        ends = rng.eos() and pos >= min_new if isinstance(rng, _Autoregressive) else pos == eos_pos
+        if ends and not ignore_eos:
             output_ids.append(EOS_TOKEN_ID)
             matched = EOS_TOKEN_ID
             break
         token = rng.randrange(FIRST_WORD_ID, VOCAB_SIZE)
         output_ids.append(token)
+        if isinstance(rng, _Autoregressive):
+            rng.push(token)
         if text is not None:
             piece = _WORDS[token % words]
             text = f"{text} {piece}" if text else piece

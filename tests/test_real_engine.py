@@ -17,7 +17,7 @@ from genq.backends import Http
 from genq.backends.llamacpp import LlamaCpp
 from genq.backends.load import Load
 from genq.schema import JobSpec
-from tests.engines import post
+from tests.engines import PIECED_FLAGS, UPTO, check_pieced_outputs, post
 from tests.helpers import (
     finish_run,
     log_of,
@@ -234,6 +234,18 @@ def test_a_chat_dataset_rendered_with_the_models_own_tokenizer(procs, llama, lla
     ]
     records = _check_exact(out, "chat", prompts, llama.url)
     assert all(r["input_ids"] == prompts[r["row"]] for r in records)
+
+
+def test_outputs_in_pieces_equal_one_request(procs, llama, out, tmp_path, report):
+    """--continue-to on /completion: prompt + output so far as a token array."""
+    prompts = tiny_prompts(60, seed=23)
+    data = write_ids(tmp_path / "pieced.jsonl", prompts)
+    assert procs.run("enqueue", data, *PIECED_FLAGS, "--server", llama.url).returncode == 0
+    worker = procs.start("worker", "--server", llama.url, "--burst", "--concurrency", "16")
+    assert worker.wait(180) == 0, log_of(worker)
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    records = sorted(read_jsonl(out / "pieced" / "raw_responses.jsonl"), key=lambda r: r["row"])
+    check_pieced_outputs(records, direct(llama.url, prompts, UPTO), "llama.cpp", report)
 
 
 def test_load_reads_llama_servers_slots(llama):

@@ -112,11 +112,18 @@ class Worker:
         return self.gate.backend
 
     def _declines(self, settings: DatasetSettings) -> str | None:
-        """Why this worker leaves a dataset's jobs queued: its tokenizer is code, which the worker
+        """Why this worker leaves a dataset's jobs queued: its outputs are continued in pieces and
+        this worker's backend cannot send token ids; or its tokenizer is code, which the worker
         would run to render its conversations' turns (--turns all, a token backend), and this
         host has not consented (its own flag, never Redis's say). Its jobs wait, unfailed, for a
-        worker started with --trust-remote-code."""
+        worker that can (one on a token backend, one started with --trust-remote-code)."""
         prompting = settings.prompting
+        if prompting.get("continue_to") and self.backend.sends != "ids":
+            return (
+                f"its outputs are continued in pieces (--continue-to), which needs token ids in and "
+                f"out, and the {self.backend.name} backend sends {self.backend.sends}: its jobs stay "
+                "queued for a worker on sglang, vllm or llamacpp"
+            )
         code = prompting.get("tokenizer_code")
         if not code or self.config.trust_remote_code or prompting.get("turns") != "all":
             return None

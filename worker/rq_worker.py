@@ -365,8 +365,19 @@ class Bookkeeper(BaseWorker):
 
     def save_turns(self, job_id: str, turns: list[dict]) -> None:
         """Keep the finished turns; the next turn starts with a fresh budget (attempts per turn)."""
+        self._save_job_state(self.keys.turns, job_id, dumps(turns))
+
+    def pieces_done(self, job_id: str) -> bytes | None:
+        """The output so far of a job continued in pieces (worker/pieces.py), as Redis holds it."""
+        return self.connection.hget(self.keys.pieces, job_id)
+
+    def save_pieces(self, job_id: str, progress: bytes) -> None:
+        """Keep the output so far; the next piece starts with a fresh budget (attempts per piece)."""
+        self._save_job_state(self.keys.pieces, job_id, progress)
+
+    def _save_job_state(self, key: str, job_id: str, value: bytes) -> None:
         with self.connection.pipeline() as pipe:
-            pipe.hset(self.keys.turns, job_id, dumps(turns))
+            pipe.hset(key, job_id, value)
             for counter in (self.keys.attempts, self.keys.spared, self.keys.crashes):
                 pipe.hdel(counter, job_id)
             pipe.execute()

@@ -23,7 +23,7 @@ from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
 from genq.schema import KIND_RECORD, JobSpec
 from genq.templates import ChatTemplate, TemplateError
-from worker import metrics
+from worker import metrics, pieces
 from worker.attempts import Attempts, Tries
 from worker.commits import GroupCommit
 from worker.config import WorkerConfig
@@ -69,6 +69,9 @@ class JobRunner:
             return
         if t.spec.turns == "all":
             await self._run_conversation(t)
+            return
+        if t.spec.continue_to is not None:
+            await self._run_pieces(t)
             return
         tries = Tries(started=time.monotonic())
         answer = await self.attempts.answer(t, t.spec, tries)
@@ -117,6 +120,63 @@ class JobRunner:
                 await self.redis(self.books.save_turns, job_id, done)
         record.update(conversation.totals(done), latency_s=round(time.monotonic() - started, 4), turns=done)
         await self._succeed(t, record)
+
+    async def _run_pieces(self, t: Taken) -> None:
+        """An output continued piece by piece up to ``continue_to`` (worker/pieces.py), resumed
+        from the last piece Redis kept; each piece has the whole attempt budget."""
+        spec, job_id = t.spec, t.job.id
+        if spec.input_ids is None:
+            why = "--continue-to needs the prompt as token ids, and this job has none"
+            await self.attempts.fail(t, AttemptError("bad_request", why, cost=Cost.FATAL), 0)
+            return
+        progress = await self._progress(t)
+        info = self._backend().info
+        started, answer, context_full = time.monotonic(), None, False
+        while (piece := pieces.next_piece(spec, progress, info)) is not None:
+            tries = Tries(started=time.monotonic())
+            answer = await self.attempts.answer(t, piece, tries)
+            if answer is None:
+                return
+            progress.add(answer, tries.attempt)
+            if not pieces.goes_on(spec, progress, answer, piece.max_new_tokens):
+                short = len(progress.output_ids) < spec.continue_to
+                context_full = answer.finish_reason == "length" and short
+                break
+            await self.redis(self.books.save_pieces, job_id, progress.to_json())
+        else:
+            context_full = True
+        if answer is None:  # resumed with no room left for a piece: the checkpoint is the output
+            answer = Answer(None, None, "length", None, 0, 0, None)
+        record = build_record(
+            spec,
+            progress.joined(answer),
+            attempts=sum(progress.attempts),
+            latency_s=time.monotonic() - started,
+            server=self.config.server,
+            worker=self.books.name,
+            backend=self._backend().name,
+        )
+        record.update(pieces.record_fields(spec, progress, context_full))
+        await self._succeed(t, record)
+
+    async def _progress(self, t: Taken) -> pieces.Progress:
+        """The output so far from an earlier worker (or this one), or a fresh start when there is
+        none or what Redis holds is not a worker's checkpoint (said in one line)."""
+        raw = await self.redis(self.books.pieces_done, t.job.id)
+        if raw is None:
+            return pieces.Progress()
+        try:
+            return pieces.Progress.from_json(raw, t.spec)
+        except ValueError as exc:
+            log.error(
+                "job %s (%s): its checkpoint in %s is not a worker's (%s): starting the output over",
+                t.job.id,
+                t.spec.dataset,
+                self.keys.pieces,
+                exc,
+                extra=self.books.log_context(t),
+            )
+            return pieces.Progress()
 
     async def _template(self, spec: JobSpec) -> ChatTemplate:
         """The dataset's chat template, loaded once per worker (transformers, offline), and only
