@@ -143,7 +143,7 @@ def _records(raw: Path) -> Iterator[dict[str, Any]]:
 def _keyed(raw: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """The lines with their order, in the order of their rows in the dataset (and samples within a
     row), not the order they finished in; lines without a row (other tools' shapes) after them, in
-    file order.
+    file order. Of an id's several lines (a record and its extensions) only the last.
 
     Two passes keep memory small: the first notes each line's row, sample and offset (16 bytes a
     line), the second reads the lines in order."""
@@ -157,7 +157,10 @@ def _keyed(raw: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 keys.append(_order(_parse(raw, line_no, line), line_no))
                 offsets.append(offset)
             offset += len(line)
-        for index in sorted(range(len(keys)), key=keys.__getitem__):
+        order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: an id's lines in file order
+        for at, index in enumerate(order):
+            if at + 1 < len(order) and keys[order[at + 1]] == keys[index]:
+                continue  # superseded by its id's later line (the supersede rule: genq/schema.py extends)
             fh.seek(offsets[index])
             yield keys[index], orjson.loads(fh.readline())
 

@@ -23,11 +23,11 @@ from collector.checkpoint import Checkpoints, Commands, Stale, mark
 from collector.files import Unreadable, cut_torn_tail, rewrite_tail, scan
 from collector.leases import Leases
 from genq import token_counts
-from genq.bitmaps import is_set
+from genq.bitmaps import is_set, set_bits
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS
 from genq.logprobs import frames as logprobs_frames
-from genq.schema import ERRORS, KIND_ERROR, KIND_RECORD, RAW, bit_index, parse_record_id
+from genq.schema import ERRORS, KIND_ERROR, KIND_RECORD, RAW, bit_index, extends, parse_record_id
 
 log = logging.getLogger("genq.collector")
 
@@ -176,23 +176,33 @@ class Reconciler:
         if tail:
             size = self._drop_copies(name, kind, path, offset, size, done)
         live = self.conn.hexists(self.keys.tokens(name), "first_at")
+        # Extensions (genq retry --truncated) whose extending bit is still set: counted, and cleared.
+        extending = self.conn.get(self.keys.extending(name)) or b""
         uncounted: list[dict] = []
+        counted: set[int] = set()
         seen: set[int] = set()
         indexes: list[int] = []
+        extended: list[int] = []
 
         def body(commands: Commands) -> None:
             mark(commands, self.keys, name, kind, indexes)
+            set_bits(commands, self.keys.extending(name), extended, 0)
             token_counts.add(commands, self.keys, name, uncounted, None, live)
 
         for start, end, obj in scan(path, offset):
             index = _index(path, start, obj, name, samples)
             indexes.append(index)
-            if kind == KIND_RECORD and not is_set(done, index) and index not in seen:
+            if kind == KIND_RECORD and extends(obj) is not None:
+                if index in counted or is_set(extending, index):
+                    uncounted.append(obj)
+                    extended.append(index)
+            elif kind == KIND_RECORD and not is_set(done, index) and index not in seen:
                 uncounted.append(obj)
+                counted.add(index)
             seen.add(index)
             if len(indexes) >= RECONCILE_CHUNK:
                 self.checkpoints.commit({field: (stored, end)}, body, fenced=[name])
-                stored, indexes, uncounted = end, [], []
+                stored, indexes, uncounted, extended = end, [], [], []
         self.checkpoints.commit({field: (stored, size)}, body, fenced=[name])
         if seen:
             log.info(

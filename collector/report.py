@@ -172,7 +172,7 @@ def _failures(d: DatasetStats) -> str:
 
 
 def _dataset(name: str, d: DatasetStats) -> str:
-    finish = _rows([(k, f"{v:,}") for k, v in d.finish_reasons.most_common()], "finish")
+    finish = _rows([(k, f"{v:,}") for k, v in (+d.finish_reasons).most_common()], "finish")
     parts = [
         f'<section class="dataset" data-dataset="{escape(name)}"><h2>{escape(name)}</h2>',
         _numbers(d),

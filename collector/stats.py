@@ -31,7 +31,7 @@ import orjson
 from rich.table import Table
 
 from genq import terminal
-from genq.schema import EXPORTS, RAW, REJECTS, cut_short
+from genq.schema import EXPORTS, RAW, REJECTS, cut_short, extends
 from genq.settings import option
 
 MAX_EXAMPLES = 5
@@ -48,6 +48,7 @@ class Rec:
     cut: bool | None = None  # stopped below the max_new_tokens asked for (genq's finish_length)
     finished_at: float | None = None  # epoch seconds
     attempts: int | None = None  # sends it took
+    extends: int | None = None  # the completion tokens of the record it supersedes (genq/schema.py)
 
 
 class Unreadable(Exception):
@@ -112,6 +113,7 @@ def read_genq(obj: dict) -> Rec | None:
         cut_short(obj),
         _epoch(obj.get("finished_at")),
         _positive(obj.get("attempts")),
+        extends(obj),
     )
 
 
@@ -186,6 +188,7 @@ class DatasetStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     lengths: list[int] = field(default_factory=list)
+    superseded: list[int] = field(default_factory=list)  # lengths of records an extension superseded
     latencies: list[float] = field(default_factory=list)
     finish_reasons: Counter = field(default_factory=Counter)
     cut: int = 0
@@ -226,13 +229,19 @@ class DatasetStats:
         return self._unrecognized(where, f"unknown shape (keys: {keys})")
 
     def _add(self, shape: str, rec: Rec) -> None:
-        self.shapes[shape] += 1
-        self.records += 1
-        self.prompt_tokens += rec.prompt_tokens
-        self.completion_tokens += rec.completion_tokens
+        new = rec.completion_tokens
+        if rec.extends is None:
+            self.shapes[shape] += 1
+            self.records += 1
+            self.prompt_tokens += rec.prompt_tokens
+        else:  # it supersedes a record counted already, which ended on length (the supersede rule)
+            self.superseded.append(rec.extends)
+            self.finish_reasons["length"] -= 1
+            new -= rec.extends
+        self.completion_tokens += new
         self.lengths.append(rec.completion_tokens)
         self.finish_reasons[rec.finish_reason or "unknown"] += 1
-        if rec.cut is not None:
+        if rec.cut is not None and rec.extends is None:
             self.cut += rec.cut
             self.cut_known += 1
         if rec.latency_s is not None:
@@ -241,10 +250,23 @@ class DatasetStats:
             self.attempts[rec.attempts] += 1
         if rec.finished_at is not None:
             self.timed += 1
-            self.minutes[int(rec.finished_at // 60)] += rec.completion_tokens
+            self.minutes[int(rec.finished_at // 60)] += new
             at = rec.finished_at
             self.first_at = at if self.first_at is None else min(at, self.first_at)
             self.last_at = at if self.last_at is None else max(at, self.last_at)
+
+    def _lengths(self) -> list[int]:
+        """The completion tokens of each record, superseded ones left out."""
+        if not self.superseded:
+            return self.lengths
+        left = Counter(self.superseded)
+        kept = []
+        for n in self.lengths:
+            if left[n]:
+                left[n] -= 1
+            else:
+                kept.append(n)
+        return kept
 
     def _unrecognized(self, where: str, why: str) -> None:
         self.unrecognized += 1
@@ -259,8 +281,8 @@ class DatasetStats:
             "avg_completion_tokens": round(self.completion_tokens / self.records, 1)
             if self.records
             else None,
-            "completion_tokens_percentiles": percentiles(self.lengths),
-            "finish_reasons": dict(self.finish_reasons.most_common()),
+            "completion_tokens_percentiles": percentiles(self._lengths()),
+            "finish_reasons": dict((+self.finish_reasons).most_common()),
             "cut": self.cut,
             "latency_s": percentiles(self.latencies),
             "shapes": dict(self.shapes.most_common()),

@@ -28,14 +28,14 @@ from collector.leases import Leases
 from collector.reconcile import Reconciler
 from genq import datasets as datasets_mod
 from genq import token_counts
-from genq.bitmaps import get_bits
+from genq.bitmaps import get_bits, set_bits
 from genq.entries import BadEntry, quarantine, read_entry
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS
 from genq.logprobs import check as check_frame
 from genq.logprobs import without_frame
 from genq.queues import count_unfinished, rq_queue
-from genq.schema import ERRORS, KIND_ERROR, KIND_RECORD, RAW, bit_index
+from genq.schema import ERRORS, KIND_ERROR, KIND_RECORD, RAW, bit_index, extends
 
 log = logging.getLogger("genq.collector")
 
@@ -64,7 +64,7 @@ class Item:
 class _Read:
     """What Redis says of a batch before it is written."""
 
-    bits: dict[tuple[str, int], tuple[int, int]]  # (dataset, index) -> (done, failed)
+    bits: dict[tuple[str, int], tuple[int, int, int]]  # (dataset, index) -> (done, failed, extending)
     enqueued: set[tuple[str, int]]  # the (dataset, index) of the batch that were ever enqueued
     now: float  # Redis's clock
     behind: set[str]  # datasets whose checkpoints Redis lost
@@ -76,6 +76,7 @@ class _Batch:
 
     to_mark: list[tuple[str, bytes, int]]  # (dataset, kind, index) of each line appended
     new_records: dict[str, list[dict]]
+    extended: dict[str, list[int]]  # re-opened ids whose ending came: their extending bits cleared
     duplicates: int
     moves: dict[str, tuple[int, int]]  # file -> (checkpoint before, size after)
 
@@ -415,37 +416,55 @@ class Collector:
                 get_bits(pipe, self.keys.done(name), indexes)
                 get_bits(pipe, self.keys.failed(name), indexes)
                 get_bits(pipe, self.keys.enqueued(name), indexes)
+                get_bits(pipe, self.keys.extending(name), indexes)
             pipe.hmget(self.keys.collector_offsets, list(synced))
             pipe.time()  # Redis's clock, for the token rate (genq/token_counts.py)
             *replies, stored, (sec, usec) = pipe.execute()
         kept = zip(synced.values(), stored, strict=True)
         behind = {name for (name, size), value in kept if int(value or 0) != size}
-        bits: dict[tuple[str, int], tuple[int, int]] = {}
+        bits: dict[tuple[str, int], tuple[int, int, int]] = {}
         enqueued: set[tuple[str, int]] = set()
         if not behind:
-            triples = iter(replies)
+            per_dataset = iter(replies)
             for name, indexes in by_dataset.items():
-                done_bits, failed_bits, ever_bits = next(triples), next(triples), next(triples)
-                for index, done, failed, ever in zip(indexes, done_bits, failed_bits, ever_bits, strict=True):
-                    bits[name, index] = (done, failed)
+                done_bits, failed_bits, ever_bits, extending = (next(per_dataset) for _ in range(4))
+                for index, done, failed, ever, ext in zip(
+                    indexes, done_bits, failed_bits, ever_bits, extending, strict=True
+                ):
+                    bits[name, index] = (done, failed, ext)
                     if ever:
                         enqueued.add((name, index))
         return _Read(bits, enqueued, sec + usec / 1e6, behind)
 
     def _append(
-        self, placed: Placed, bits: dict[tuple[str, int], tuple[int, int]], by_dataset: dict[str, list[int]]
+        self,
+        placed: Placed,
+        bits: dict[tuple[str, int], tuple[int, int, int]],
+        by_dataset: dict[str, list[int]],
     ) -> _Batch:
         """Append the lines (and frames) not on disk yet, then fsync; on OSError roll every file
-        back to where the batch began and raise WriteFailed."""
+        back to where the batch began and raise WriteFailed. A record already on disk is appended
+        again only as its extension (``genq retry --truncated``), which supersedes it."""
         seen: set[tuple[str, int]] = set()
         before = self._verified  # where this batch begins: the last checkpoints
         to_mark = []
         new_records: dict[str, list[dict]] = {}
+        extended: dict[str, list[int]] = {}
         duplicates = 0
         try:
             for item, name, index in placed:
-                done, failed = bits[name, index]
-                if (name, index) in seen or done or (item.kind == KIND_ERROR and failed):
+                done, failed, extending = bits[name, index]
+                if (name, index) in seen:
+                    duplicates += 1
+                    continue
+                extension = done and extending and (item.kind == KIND_ERROR or extends(item.data) is not None)
+                if extension:
+                    seen.add((name, index))
+                    extended.setdefault(name, []).append(index)
+                    if item.kind == KIND_ERROR:
+                        self._extension_failed(name, item)
+                        continue
+                elif done or (item.kind == KIND_ERROR and failed):
                     duplicates += 1
                     continue
                 seen.add((name, index))
@@ -472,7 +491,18 @@ class Collector:
             if foreign is not None:
                 raise
             raise WriteFailed(f"writing to {self.out} failed: {exc}") from exc
-        return _Batch(to_mark, new_records, duplicates, moves)
+        return _Batch(to_mark, new_records, extended, duplicates, moves)
+
+    def _extension_failed(self, name: str, item: Item) -> None:
+        """A re-opened record's job ended without its extension (it failed): the record on disk stands."""
+        log.warning(
+            "%s: %s was not extended (%s): its record on disk stands; genq failed lists the job, and "
+            "genq retry --truncated re-opens it",
+            name,
+            item.data.get("id"),
+            item.data.get("message") or item.data.get("error"),
+            extra={"dataset": name},
+        )
 
     def _commit_body(self, commands: Commands, placed: Placed, batch: _Batch, now: float) -> None:
         """The batch's commit: its marks, token counts, acknowledgements and in-stream counts."""
@@ -481,6 +511,8 @@ class Collector:
             marks.setdefault((name, kind), []).append(index)
         for (name, kind), indexes in marks.items():
             mark(commands, self.keys, name, kind, indexes)
+        for name, indexes in batch.extended.items():
+            set_bits(commands, self.keys.extending(name), indexes, 0)
         for name, records in batch.new_records.items():
             token_counts.add(commands, self.keys, name, records, now, live=True)
         acked: dict[str, list[bytes]] = {}

@@ -17,6 +17,9 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``ds:<name>:enqueued``     bitmap one bit per job ever enqueued (index = row * samples + sample)
 - ``ds:<name>:done``         bitmap jobs whose record is on disk (set only after fsync)
 - ``ds:<name>:failed``       bitmap jobs whose error is on disk
+- ``ds:<name>:extending``    bitmap records re-opened by ``genq retry --truncated`` whose longer record is not
+                                    on disk yet: the collector appends that one despite the done bit, and
+                                    clears this bit in the commit that marks it (the supersede rule)
 - ``ds:<name>:sources``      hash   source file's position among the dataset's files -> how many of its rows
                                     were enqueued and their running blake2b (JSON ``file``, ``rows``,
                                     ``blake2b``): a later enqueue refuses another file under its name
@@ -165,6 +168,9 @@ class Keys:
     def failed(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:failed"
 
+    def extending(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:extending"
+
     def enqueuing(self, dataset: str) -> str:
         return f"{self.prefix}enqueuing:{dataset}"
 
@@ -226,5 +232,6 @@ class Keys:
                 self.done(name): "string", self.failed(name): "string", self.rejected(name): "string",
                 self.sources(name): "hash", self.tokens(name): "hash", self.collector_lease(name): "string",
                 self.collector_ready(name): "string", self.enqueuing(name): "string",
+                self.extending(name): "string",
             })  # fmt: skip
         return shared

@@ -117,6 +117,9 @@ class JobSpec:
     chat_template_kwargs: dict[str, Any] | None = None
     # Continue an output cut at max_new_tokens up to this many tokens, a piece at a time (worker/pieces.py).
     continue_to: int | None = None
+    # An extension (genq retry --truncated): the completion_tokens of the record it supersedes; its
+    # output so far is the job's checkpoint in Redis (genq/pieces.py), put there with it.
+    extends: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_kwargs(self) -> dict[str, Any]:
@@ -171,7 +174,7 @@ _SPEC_TYPES: dict[str, type] = {
     "dataset": str, "row": int, "sample": int, "id": str, "sampling_params": dict, "input_ids": list,
     "text": str, "source_id": str, "messages": list, "think": dict, "keep_prompt": bool, "turns": str,
     "template": dict, "logprobs": int, "batch": dict, "tools": list, "chat_template_kwargs": dict,
-    "continue_to": int, "extra": dict,
+    "continue_to": int, "extends": int, "extra": dict,
 }  # fmt: skip
 _KIND_WORDS = {
     str: "a string",
@@ -199,6 +202,19 @@ def cut_short(record: dict[str, Any]) -> bool:
         and isinstance(asked, int)
         and cut < asked
     )
+
+
+def extends(record: dict[str, Any]) -> int | None:
+    """The ``completion_tokens`` of the record this one supersedes, or None: it supersedes none.
+
+    The supersede rule: ``genq retry --truncated --continue-to N`` continues records that ended on
+    ``length`` from their stored output, and the collector appends each longer record to the same
+    raw file, after the one it extends, with ``extends`` set. An id's record is its last line in the
+    file; every earlier one is superseded (exports, stats and verify count the last), and a line
+    that extends one begins with the output of the one before it (`genq verify` checks it).
+    """
+    value = record.get("extends")
+    return value if type(value) is int and value >= 0 else None
 
 
 def now_iso() -> str:

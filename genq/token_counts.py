@@ -2,7 +2,8 @@
 
 The collector is the only writer of records, so it adds each record's tokens in the same MULTI
 that marks its id done: the counters always describe exactly the records on disk. A record is
-counted when its done bit goes from 0 to 1, never twice. Completion tokens also go into 10 s
+counted when its done bit goes from 0 to 1, never twice; an extension that supersedes it adds the
+tokens it adds, when its extending bit goes from 1 to 0. Completion tokens also go into 10 s
 buckets (kept an hour) for the recent rate.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from genq.keys import Keys
-from genq.schema import cut_short
+from genq.schema import cut_short, extends
 
 BUCKET_S = 10
 KEEP_S = 3600
@@ -36,12 +37,14 @@ def add(pipe, keys: Keys, dataset: str, records: list[dict], now: float | None, 
     records = [r for r in records if countable(r)]
     if not records:
         return
-    completion = sum(r["completion_tokens"] for r in records)
+    # An extension (genq retry --truncated) supersedes a record counted already: only the tokens it adds.
+    fresh = [r for r in records if extends(r) is None]
+    completion = sum(r["completion_tokens"] - (extends(r) or 0) for r in records)
     key = keys.tokens(dataset)
-    pipe.hincrby(key, "records", len(records))
-    pipe.hincrby(key, "prompt_tokens", sum(r["prompt_tokens"] for r in records))
+    pipe.hincrby(key, "records", len(fresh))
+    pipe.hincrby(key, "prompt_tokens", sum(r["prompt_tokens"] for r in fresh))
     pipe.hincrby(key, "completion_tokens", completion)
-    cut = sum(1 for r in records if cut_short(r))
+    cut = sum(1 for r in fresh if cut_short(r))
     if cut:
         pipe.hincrby(key, "cut", cut)
     if live:

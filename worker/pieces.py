@@ -5,8 +5,8 @@ Each request asks for at most the dataset's ``max_new_tokens`` (a piece). A piec
 output so far as token ids, with the budget left. With greedy decoding that continues into the
 same tokens as one long request would (up to the engine's numerics): the prompt is ids, so nothing
 is re-tokenized. After each piece the output so far is kept in Redis (``pieces``, with the job,
-freed when its record is handed over), so a worker or server death resumes from the last piece on
-any worker.
+freed when its record is handed over; the format is genq/pieces.py), so a worker or server death
+resumes from the last piece on any worker.
 
 - Budget: a piece never passes the server's context (prompt + output + piece below it); an output
   that fills the context ends there (``context_full`` on the record).
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from dataclasses import dataclass, field
 from typing import Any
 
 from genq.backends import Answer, ServerInfo
-from genq.schema import JobSpec, dumps, loads
+from genq.pieces import Progress
+from genq.schema import JobSpec
 
 SEED_RANGE = 2**31  # every engine takes a seed below this
 
@@ -36,69 +36,6 @@ def piece_seed(seed: int, k: int) -> int:
     sample's own seed in practice (a hash, not seed + k, which is sample k's seed)."""
     digest = hashlib.blake2b(f"genq-piece|{seed}|{k}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % SEED_RANGE
-
-
-@dataclass
-class Progress:
-    """The output so far of one job: what Redis keeps between pieces."""
-
-    output_ids: list[int] = field(default_factory=list)
-    texts: list[str | None] = field(default_factory=list)  # each piece's text
-    attempts: list[int] = field(default_factory=list)  # sends charged to each piece
-    prompt_tokens: int | None = None  # the first piece's: the prompt itself
-    cached_tokens: int | None = None
-
-    @property
-    def pieces(self) -> int:
-        return len(self.attempts)
-
-    def to_json(self) -> bytes:
-        return dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: bytes, spec: JobSpec) -> Progress:
-        """A checkpoint read from Redis is untrusted: ValueError names what is not what a worker
-        writes for ``spec`` (ids that are not token ids, more of them than ``continue_to``)."""
-        data = loads(raw)
-        if not isinstance(data, dict) or set(data) != {f.name for f in dataclasses.fields(cls)}:
-            raise ValueError("not an object with the fields a worker writes")
-        ids, texts, attempts = data["output_ids"], data["texts"], data["attempts"]
-        if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
-            raise ValueError("'output_ids' is not a list of token ids")
-        if len(ids) >= (spec.continue_to or 0):
-            raise ValueError(f"{len(ids)} output ids for a continue_to of {spec.continue_to}")
-        if not isinstance(attempts, list) or not all(type(a) is int and a >= 0 for a in attempts):
-            raise ValueError("'attempts' is not a list of counts")
-        if not isinstance(texts, list) or len(texts) != len(attempts):
-            raise ValueError("'texts' is not one per piece")
-        if not all(t is None or isinstance(t, str) for t in texts):
-            raise ValueError("'texts' holds something that is not a text")
-        for name in ("prompt_tokens", "cached_tokens"):
-            if data[name] is not None and (type(data[name]) is not int or data[name] < 0):
-                raise ValueError(f"{name!r} is not a count")
-        return cls(**data)
-
-    def add(self, answer: Answer, attempts: int) -> None:
-        self.output_ids += answer.output_ids or []
-        self.texts.append(answer.text)
-        self.attempts.append(attempts)
-        if self.prompt_tokens is None:
-            self.prompt_tokens, self.cached_tokens = answer.prompt_tokens, answer.cached_tokens
-
-    def joined(self, last: Answer) -> Answer:
-        """The whole output as one answer, as if one request had made it."""
-        texts = [t for t in self.texts if t is not None]
-        return dataclasses.replace(
-            last,
-            output_ids=list(self.output_ids),
-            text="".join(texts) if len(texts) == len(self.texts) else None,
-            prompt_tokens=self.prompt_tokens if self.prompt_tokens is not None else last.prompt_tokens,
-            completion_tokens=len(self.output_ids),
-            cached_tokens=self.cached_tokens,
-            finish_length=None,
-            reasoning=None,
-            content=None,
-        )
 
 
 def next_piece(spec: JobSpec, progress: Progress, info: ServerInfo | None) -> JobSpec | None:
@@ -141,4 +78,6 @@ def record_fields(spec: JobSpec, progress: Progress, context_full: bool) -> dict
     }
     if context_full:
         extra["context_full"] = True
+    if spec.extends is not None:  # it supersedes the record it goes on from (genq/schema.py extends)
+        extra["extends"] = spec.extends
     return extra

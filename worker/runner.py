@@ -21,6 +21,7 @@ from genq import conversation, datasets, logprobs
 from genq.backends import Answer, Backend
 from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
+from genq.pieces import Progress
 from genq.schema import KIND_RECORD, JobSpec
 from genq.templates import ChatTemplate, TemplateError
 from worker import metrics, pieces
@@ -130,6 +131,13 @@ class JobRunner:
             await self.attempts.fail(t, AttemptError("bad_request", why, cost=Cost.FATAL), 0)
             return
         progress = await self._progress(t)
+        if spec.extends is not None and progress.pieces == 0:
+            why = (
+                f"the output this extension goes on from is not in {self.keys.pieces} (lost, or not a "
+                "worker's): genq retry --truncated re-opens the record again"
+            )
+            await self.attempts.fail(t, AttemptError("bad_request", why, cost=Cost.FATAL), 0)
+            return
         info = self._backend().info
         started, answer, context_full = time.monotonic(), None, False
         while (piece := pieces.next_piece(spec, progress, info)) is not None:
@@ -159,14 +167,14 @@ class JobRunner:
         record.update(pieces.record_fields(spec, progress, context_full))
         await self._succeed(t, record)
 
-    async def _progress(self, t: Taken) -> pieces.Progress:
+    async def _progress(self, t: Taken) -> Progress:
         """The output so far from an earlier worker (or this one), or a fresh start when there is
         none or what Redis holds is not a worker's checkpoint (said in one line)."""
         raw = await self.redis(self.books.pieces_done, t.job.id)
         if raw is None:
-            return pieces.Progress()
+            return Progress()
         try:
-            return pieces.Progress.from_json(raw, t.spec)
+            return Progress.from_json(raw, t.spec)
         except ValueError as exc:
             log.error(
                 "job %s (%s): its checkpoint in %s is not a worker's (%s): starting the output over",
@@ -176,7 +184,7 @@ class JobRunner:
                 exc,
                 extra=self.books.log_context(t),
             )
-            return pieces.Progress()
+            return Progress()
 
     async def _template(self, spec: JobSpec) -> ChatTemplate:
         """The dataset's chat template, loaded once per worker (transformers, offline), and only

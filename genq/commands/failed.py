@@ -9,11 +9,13 @@ import click
 import orjson
 from rich.table import Table
 
-from genq import entries, failures, terminal
+from genq import datasets, entries, failures, terminal
 from genq.commands.run_redis import out_option, redis_of, require_datasets
 from genq.connection import connect
 from genq.keys import Keys
+from genq.schema import RAW
 from genq.settings import option, redis_options
+from producer import extend
 
 
 @click.command("failed")
@@ -75,23 +77,55 @@ def failed_command(
     help="Only failures whose error class or message contains TEXT.",
 )
 @option("--all", "retry_all", env="GENQ_RETRY_ALL", is_flag=True, help="Every failure.")
+@option(
+    "--truncated",
+    env="GENQ_RETRY_TRUNCATED",
+    is_flag=True,
+    help="Not failures: re-open the records that ended on length and continue them from their stored "
+    "output up to --continue-to (a longer record supersedes each).",
+)
+@option(
+    "--continue-to",
+    env="GENQ_RETRY_CONTINUE_TO",
+    type=click.IntRange(min=2),
+    default=None,
+    help="With --truncated: the output length to continue each record to, a piece of its "
+    "max_new_tokens at a time.",
+)
+@option(
+    "--records",
+    env="GENQ_RETRY_RECORDS",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="With --truncated: the collector's output folder (default: --out).",
+)
 @option("--dataset", env="GENQ_RETRY_DATASET", default=None, help="Only this dataset.")
 @out_option("retry")
 @redis_options
 def retry_command(
     reason: str | None,
     retry_all: bool,
+    truncated: bool,
+    continue_to: int | None,
+    records: Path | None,
     dataset: str | None,
     out: Path | None,
     redis_url: str,
     namespace: str,
 ) -> None:
-    """Put terminal failures back on their queues, each with a fresh attempt budget.
+    """Put terminal failures back on their queues, each with a fresh attempt budget; or, with
+    --truncated, continue the records cut at max_new_tokens.
 
-    Idempotent: a failure is retried once; run it again and it finds nothing new.
+    Idempotent: a failure is retried once, a record re-opened once; run it again and it finds
+    nothing new.
     """
+    if truncated:
+        _retry_truncated(continue_to, records or out, dataset, out, redis_url, namespace)
+        return
+    if continue_to is not None or records is not None:
+        raise click.UsageError("--continue-to and --records go with --truncated")
     if not reason and not retry_all:
-        raise click.UsageError("say which: --reason TEXT or --all")
+        raise click.UsageError("say which: --reason TEXT, --all or --truncated")
     with redis_of(out, redis_url, namespace) as (url, auth, namespace):
         conn = connect(url, **auth)
         require_datasets(conn, namespace, url)
@@ -105,3 +139,38 @@ def retry_command(
     click.echo(
         f"retried {retried}" + (f"; {waiting} not in errors.jsonl yet, left for now" if waiting else "")
     )
+
+
+def _retry_truncated(
+    continue_to: int | None,
+    folder: Path | None,
+    dataset: str | None,
+    out: Path | None,
+    redis_url: str,
+    namespace: str,
+) -> None:
+    """Re-open the truncated records of each dataset (producer/extend.py), one summary line each."""
+    if continue_to is None:
+        raise click.UsageError("--truncated needs --continue-to N: the length to continue the records to")
+    if folder is None:
+        raise click.UsageError("--truncated reads the records: give --out (a `genq run` folder) or --records")
+    with redis_of(out, redis_url, namespace) as (url, auth, namespace):
+        conn = connect(url, **auth)
+        require_datasets(conn, namespace, url)
+        keys = Keys(namespace)
+        known = datasets.load_all(conn, keys)
+        if dataset is not None and dataset not in known:
+            raise click.ClickException(f"no dataset {dataset!r} in namespace {namespace!r}")
+        names = [dataset] if dataset else sorted(known)
+        for name in names:
+            raw = folder / name / RAW
+            if not raw.is_file():
+                click.echo(f"{name}: no {raw}: nothing to continue")
+                continue
+            try:
+                result = extend.extend(conn, keys, known[name], raw, continue_to)
+            except extend.CannotExtend as exc:
+                raise click.ClickException(str(exc)) from None
+            for where in result.unusable[:10]:
+                click.echo(f"{where}: not re-opened", err=True)
+            click.echo(result.line())

@@ -12,6 +12,7 @@ pass over each file, and the queues read in bulk — never a round trip per job.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,11 @@ from genq.connection import connect, redact
 from genq.entries import BadEntry, quarantined, read_entry
 from genq.keys import Keys
 from genq.queues import rq_queue
-from genq.schema import ERRORS, RAW, bit_index, parse_record_id
+from genq.schema import ERRORS, RAW, bit_index, extends, parse_record_id
 from genq.settings import option, redis_options
 
 ID_AT_START = re.compile(rb'^\{"id":"([^"]+)"')  # genq writes the id first: no JSON parse needed
+EXTENDS_KEY = b'"extends":'
 EXAMPLES = 10
 
 
@@ -67,6 +69,8 @@ class Audit:
     missing_indexes: list[int] = field(default_factory=list)  # their bit indexes (--repair)
     duplicated: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
+    extended: int = 0  # records superseded by a longer one (genq retry --truncated)
+    bad_extensions: list[str] = field(default_factory=list)  # lines that break the supersede rule
     command: str = ""
     repair: str = ""  # reopens the missing jobs, so that `command` makes them again
     quarantined: int = 0  # stream entries that were not a worker's, in the dead letter (genq failed)
@@ -74,7 +78,7 @@ class Audit:
 
     @property
     def ok(self) -> bool:
-        return not self.missing and not self.duplicated and not self.unreadable
+        return not self.missing and not self.duplicated and not self.unreadable and not self.bad_extensions
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -88,6 +92,8 @@ class Audit:
             "duplicated": len(self.duplicated),
             "duplicated_examples": self.duplicated[:EXAMPLES],
             "unreadable_lines": self.unreadable[:EXAMPLES],
+            "extended": self.extended,
+            "bad_extensions": self.bad_extensions[:EXAMPLES],
             "quarantined_entries": self.quarantined,
             "bad_entries_in_stream": self.bad_entries,
             "put_back": self.command if self.missing else None,
@@ -138,14 +144,23 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
         for index in indexes:
             if index is not None:
                 states[state].set(index)
+    extended: set[int] = set()
     for state, filename in (("done", RAW), ("failed", ERRORS)):
         path = out / name / filename
-        for line_no, record_id in _ids(path):
+        for line_no, record_id, extension in _ids(path):
             index = index_of(record_id) if record_id is not None else None
             if index is None:
                 result.unreadable.append(f"{path}:{line_no}")
             elif states[state].set(index) and state == "done":
-                result.duplicated.append(record_id)  # type: ignore[arg-type]
+                if extension:
+                    extended.add(index)
+                else:
+                    result.duplicated.append(record_id)  # type: ignore[arg-type]
+            elif extension and state == "done":
+                result.bad_extensions.append(f"{path}:{line_no}: {record_id} extends no record before it")
+    if extended:
+        result.extended = len(extended)
+        result.bad_extensions += _broken_extensions(out / name / RAW, extended, index_of)
     # Set arithmetic on whole bitmaps as integers: fast on millions of jobs.
     size = max(len(enqueued or b""), len(rejected or b""), *(len(b.data) for b in states.values()))
     if files:
@@ -228,9 +243,11 @@ def _stream_indexes(
     return indexes, bad
 
 
-def _ids(path: Path):
-    """(line number, record id) of each line; the id is read off the line's start when genq wrote
-    it, parsed otherwise; None for a line without one."""
+def _ids(path: Path) -> Iterator[tuple[int, str | None, bool]]:
+    """(line number, record id, whether the line extends an earlier one) of each line; the id is
+    read off the line's start when genq wrote it, parsed otherwise; None for a line without one.
+    Only a line that holds the bytes of the key ``"extends":`` is parsed for it (in a string value
+    its quotes would be escaped)."""
     if not path.exists():
         return
     with path.open("rb") as fh:
@@ -238,15 +255,42 @@ def _ids(path: Path):
             if not line.strip():
                 continue
             match = ID_AT_START.match(line)
-            if match:
-                yield line_no, match.group(1).decode()
+            if match and EXTENDS_KEY not in line:
+                yield line_no, match.group(1).decode(), False
                 continue
             try:
                 obj = orjson.loads(line)
             except orjson.JSONDecodeError:
-                yield line_no, None
+                yield line_no, None, False
                 continue
-            yield line_no, obj.get("id") if isinstance(obj, dict) and isinstance(obj.get("id"), str) else None
+            if not isinstance(obj, dict):
+                yield line_no, None, False
+                continue
+            record_id = obj.get("id") if isinstance(obj.get("id"), str) else None
+            yield line_no, record_id, extends(obj) is not None
+
+
+def _broken_extensions(path: Path, extended: set[int], index_of: Callable[[str], int | None]) -> list[str]:
+    """The lines of ``extended`` ids that break the supersede rule (genq/schema.py ``extends``): an
+    extension must begin with the output of its id's line before it, and say how long that was."""
+    before: dict[int, list[int]] = {}  # index -> the output_ids of its line so far
+    broken = []
+    with path.open("rb") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            match = ID_AT_START.match(line)
+            index = index_of(match.group(1).decode()) if match else None
+            if index not in extended:
+                continue
+            obj = orjson.loads(line)
+            ids = obj.get("output_ids") or []
+            was = before.get(index)
+            if was is not None and (extends(obj) != len(was) or ids[: len(was)] != was):
+                broken.append(
+                    f"{path}:{line_no}: {obj['id']} does not begin with the {len(was)} output tokens of the "
+                    "record it extends"
+                )
+            before[index] = ids
+    return broken
 
 
 def print_audit(result: Audit) -> None:
@@ -275,6 +319,10 @@ def print_audit(result: Audit) -> None:
             f"quarantined, {result.bad_entries:,} more in the stream (`genq failed` lists them)",
             err=True,
         )
+    if result.extended:
+        click.echo(f"{result.dataset}: {result.extended:,} records extended (each id's last line counts)")
+    for where in result.bad_extensions[:EXAMPLES]:
+        click.echo(where, err=True)
     for where in result.unreadable[:EXAMPLES]:
         click.echo(f"{where}: a line without a record id of this dataset", err=True)
     click.echo(f"{result.dataset}: {'OK' if result.ok else 'NOT OK'}")

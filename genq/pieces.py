@@ -1,0 +1,91 @@
+"""The output so far of a job continued in pieces (``--continue-to``): the checkpoint Redis keeps
+in the ``pieces`` hash between pieces, written by workers (worker/pieces.py) and by
+``genq retry --truncated`` (producer/extend.py), which starts one from a finished record. Read back,
+it is untrusted: :meth:`Progress.from_json` checks it against the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from genq.backends import Answer
+from genq.schema import JobSpec, dumps, loads
+
+
+@dataclass
+class Progress:
+    """The output so far of one job: what Redis keeps between pieces."""
+
+    output_ids: list[int] = field(default_factory=list)
+    texts: list[str | None] = field(default_factory=list)  # each piece's text
+    attempts: list[int] = field(default_factory=list)  # sends charged to each piece
+    prompt_tokens: int | None = None  # the first piece's: the prompt itself
+    cached_tokens: int | None = None
+
+    @property
+    def pieces(self) -> int:
+        return len(self.attempts)
+
+    def to_json(self) -> bytes:
+        return dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes, spec: JobSpec) -> Progress:
+        """A checkpoint read from Redis is untrusted: ValueError names what is not what a worker
+        writes for ``spec`` (ids that are not token ids, more of them than ``continue_to``)."""
+        data = loads(raw)
+        if not isinstance(data, dict) or set(data) != {f.name for f in dataclasses.fields(cls)}:
+            raise ValueError("not an object with the fields a worker writes")
+        ids, texts, attempts = data["output_ids"], data["texts"], data["attempts"]
+        if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+            raise ValueError("'output_ids' is not a list of token ids")
+        if len(ids) >= (spec.continue_to or 0):
+            raise ValueError(f"{len(ids)} output ids for a continue_to of {spec.continue_to}")
+        if not isinstance(attempts, list) or not all(type(a) is int and a >= 0 for a in attempts):
+            raise ValueError("'attempts' is not a list of counts")
+        if not isinstance(texts, list) or len(texts) != len(attempts):
+            raise ValueError("'texts' is not one per piece")
+        if not all(t is None or isinstance(t, str) for t in texts):
+            raise ValueError("'texts' holds something that is not a text")
+        for name in ("prompt_tokens", "cached_tokens"):
+            if data[name] is not None and (type(data[name]) is not int or data[name] < 0):
+                raise ValueError(f"{name!r} is not a count")
+        return cls(**data)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Progress:
+        """The checkpoint of a finished record's output, to continue it (``genq retry
+        --truncated``): its pieces as they were counted, its text as the first piece's."""
+        attempts = record.get("piece_attempts") or [record["attempts"]]
+        texts: list[str | None] = [record.get("text")] + [""] * (len(attempts) - 1)
+        return cls(
+            list(record["output_ids"]),
+            texts,
+            list(attempts),
+            record.get("prompt_tokens"),
+            record.get("cached_tokens"),
+        )
+
+    def add(self, answer: Answer, attempts: int) -> None:
+        self.output_ids += answer.output_ids or []
+        self.texts.append(answer.text)
+        self.attempts.append(attempts)
+        if self.prompt_tokens is None:
+            self.prompt_tokens, self.cached_tokens = answer.prompt_tokens, answer.cached_tokens
+
+    def joined(self, last: Answer) -> Answer:
+        """The whole output as one answer, as if one request had made it."""
+        texts = [t for t in self.texts if t is not None]
+        return dataclasses.replace(
+            last,
+            output_ids=list(self.output_ids),
+            text="".join(texts) if len(texts) == len(self.texts) else None,
+            prompt_tokens=self.prompt_tokens if self.prompt_tokens is not None else last.prompt_tokens,
+            completion_tokens=len(self.output_ids),
+            cached_tokens=self.cached_tokens,
+            finish_length=None,
+            reasoning=None,
+            content=None,
+        )

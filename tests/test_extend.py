@@ -1,0 +1,149 @@
+"""`genq retry --truncated --continue-to N` (producer/extend.py) against the simulator's
+autoregressive model: records cut at max_new_tokens are continued from their stored output, not
+generated again; each longer record supersedes the one it extends (the supersede rule, genq/schema.py
+``extends``), so exports, stats, verify and the token counters see one record per id; kills of the
+worker and the collector mid-way lose nothing and duplicate nothing."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+import redis
+
+from genq.keys import Keys
+from tests.helpers import log_of, read_jsonl, sigkill, sim_stats, wait_until, write_prompts
+from tests.test_pieces import LENGTHS, PIECE, SIM_FLAGS, one_shot
+
+UPTO = 96
+
+
+def _setup(procs, start_sim, tmp_path, out, name: str, n: int, *sim_flags: str) -> tuple[str, list]:
+    """``n`` prompts generated in one piece of PIECE tokens: most records end on length."""
+    prompts = write_prompts(tmp_path / f"{name}.jsonl", n)
+    url = start_sim(*SIM_FLAGS, *sim_flags)
+    flags = ("--max-new-tokens", str(PIECE), "--temperature", "0")
+    assert procs.run("enqueue", tmp_path / f"{name}.jsonl", *flags).returncode == 0
+    assert procs.run("worker", "--server", url, "--burst", "--concurrency", "16").returncode == 0
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    return url, prompts
+
+
+def _check_extended(procs, out, name: str, prompts: list, before: list[dict]) -> list[dict]:
+    """One record per id in the export, each truncated one now the one-shot output up to UPTO and
+    beginning with what it had; verify clean; stats and Redis's counters count each id once."""
+    cut = {r["id"]: r for r in before if r["finish_reason"] == "length"}
+    last = {r["id"]: r for r in read_jsonl(out / name / "raw_responses.jsonl")}  # each id's last line
+    assert len(last) == len(prompts)
+    for r in last.values():
+        if r["id"] not in cut:
+            assert "extends" not in r
+            continue
+        old = cut[r["id"]]
+        assert r["extends"] == len(old["output_ids"]) and r["output_ids"][:PIECE] == old["output_ids"]
+        assert r["output_ids"] == one_shot(prompts[r["row"]], r, UPTO), r["id"]
+        assert r["continue_to"] == UPTO and r["pieces"] >= 2
+    res = procs.run("export", out, "--format", "eagle3", "--include-truncated", "--dataset", name)
+    assert res.returncode == 0, res.stderr
+    exported = read_jsonl(out / name / "tokenized_data.jsonl")
+    assert sorted(r["id"] for r in exported) == sorted(last), "one training row per id"
+    for row in exported:
+        record = last[row["id"]]
+        assert row["input_ids"] == prompts[record["row"]] + record["output_ids"], "the superseding record"
+    res = procs.run("verify", "--out", out, "--dataset", name)
+    assert res.returncode == 0 and f"{len(cut):,} records extended" in res.stdout, res.stdout + res.stderr
+    stats = procs.run("stats", out, "--json")
+    mine = orjson.loads(stats.stdout)["datasets"][name]
+    assert mine["records"] == len(prompts)
+    assert mine["completion_tokens"] == sum(r["completion_tokens"] for r in last.values())
+    assert sum(mine["finish_reasons"].values()) == len(prompts)
+    conn = redis.Redis.from_url(procs.env["GENQ_REDIS_URL"])
+    keys = Keys(procs.env["GENQ_NAMESPACE"])
+    tokens = {k.decode(): v for k, v in conn.hgetall(keys.tokens(name)).items()}
+    assert int(tokens["records"]) == len(prompts)
+    assert int(tokens["completion_tokens"]) == sum(r["completion_tokens"] for r in last.values())
+    assert conn.bitcount(keys.extending(name)) == 0 and not conn.exists(keys.pieces)
+    return list(last.values())
+
+
+def test_truncated_records_are_continued_not_regenerated_and_superseded(procs, start_sim, out, tmp_path):
+    """60 records cut at 16 tokens continued to 96: the server generates only the tokens added (a
+    probe's token aside), the export holds one record per id equal to the one-shot output, and a
+    second retry re-opens nothing."""
+    url, prompts = _setup(procs, start_sim, tmp_path, out, "ext", 60)
+    before = read_jsonl(out / "ext" / "raw_responses.jsonl")
+    cut = [r for r in before if r["finish_reason"] == "length"]
+    assert len(cut) >= 50, "the model stops after 50 tokens at the earliest"
+    generated = sim_stats(url)["tokens_generated"]
+
+    res = procs.run("retry", "--truncated", "--continue-to", str(UPTO), "--records", out)
+    assert res.returncode == 0 and f"ext: re-opened {len(cut)}" in res.stdout, res.stdout + res.stderr
+    again = procs.run("retry", "--truncated", "--continue-to", str(UPTO), "--records", out)
+    assert "ext: re-opened 0;" in again.stdout and f"{len(cut)} re-opened already" in again.stdout, again.stdout
+    assert procs.run("worker", "--server", url, "--burst", "--concurrency", "16").returncode == 0
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    exported = _check_extended(procs, out, "ext", prompts, before)
+
+    added = sum(r["completion_tokens"] - r["extends"] for r in exported if "extends" in r)
+    extra = sim_stats(url)["tokens_generated"] - generated - added
+    assert 0 <= extra <= 1, f"{extra} tokens generated beyond those added (a worker's probe makes one)"
+    done = procs.run("retry", "--truncated", "--continue-to", str(UPTO), "--records", out)
+    assert "ext: re-opened 0" in done.stdout, done.stdout
+
+
+def test_retry_truncated_is_refused_in_one_line_without_what_it_needs(procs, tmp_path, out):
+    write_prompts(tmp_path / "p.jsonl", 3)
+    assert procs.run("enqueue", tmp_path / "p.jsonl", "--max-new-tokens", "16").returncode == 0
+    res = procs.run("retry", "--truncated", "--records", out)
+    assert res.returncode == 2 and "--truncated needs --continue-to N" in res.stderr, res.stderr
+    res = procs.run("retry", "--truncated", "--continue-to", "64")
+    assert res.returncode == 2 and "give --out" in res.stderr, res.stderr
+    res = procs.run("retry", "--all", "--continue-to", "64")
+    assert res.returncode == 2 and "go with --truncated" in res.stderr, res.stderr
+    chat = tmp_path / "c.jsonl"
+    chat.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert procs.run("enqueue", chat, "--backend", "openai-chat").returncode == 0
+    (out / "c").mkdir(parents=True)
+    (out / "c" / "raw_responses.jsonl").write_text("")
+    res = procs.run("retry", "--truncated", "--continue-to", "64", "--records", out, "--dataset", "c")
+    assert res.returncode == 1 and "messages a chat server renders" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow
+def test_extending_survives_kills_of_the_worker_and_the_collector(procs, start_sim, out, tmp_path, report):
+    """300 records cut at 16 tokens continued to 96 on a batching simulator; the worker and the
+    collector SIGKILLed mid-way and started again: every id still has exactly one record after
+    export, each the one-shot output, verify is clean, and the server generated at most a piece per
+    job in flight more than the tokens added."""
+    url, prompts = _setup(procs, start_sim, tmp_path, out, "kx", 300, "--latency", "realistic")
+    before = read_jsonl(out / "kx" / "raw_responses.jsonl")
+    generated = sim_stats(url)["tokens_generated"]
+    res = procs.run("retry", "--truncated", "--continue-to", str(UPTO), "--records", out)
+    assert res.returncode == 0, res.stderr
+    conn = redis.Redis.from_url(procs.env["GENQ_REDIS_URL"])
+    extending = Keys(procs.env["GENQ_NAMESPACE"]).extending("kx")
+    reopened = conn.bitcount(extending)
+    concurrency = 32
+    flags = ("--concurrency", str(concurrency), "--heartbeat-ttl", "5")
+    worker = procs.start("worker", "--server", url, *flags)
+    collector = procs.start("collect", "--out", out)
+    wait_until(lambda: conn.bitcount(extending) <= reopened * 2 // 3, 120, "a third of the records extended")
+    sigkill(collector)
+    sigkill(worker)
+    worker = procs.start("worker", "--server", url, *flags)
+    collector = procs.start("collect", "--out", out)
+    wait_until(lambda: conn.bitcount(extending) == 0, 240, "every re-opened record extended")
+    for proc in (worker, collector):
+        proc.terminate()
+        assert proc.wait(60) == 0, log_of(proc)
+    exported = _check_extended(procs, out, "kx", prompts, before)
+    added = sum(r["completion_tokens"] - r["extends"] for r in exported if "extends" in r)
+    wasted = sim_stats(url)["tokens_generated"] - generated - added
+    bound = (concurrency + 2) * PIECE + 2
+    report(
+        f"retry --truncated: {reopened} records continued 16 -> {UPTO} with the worker and the collector "
+        f"SIGKILLed mid-way: {wasted} of {added + wasted} decode tokens wasted (bound {bound})"
+    )
+    assert 0 <= wasted <= bound, wasted
+    assert LENGTHS[0] > PIECE
