@@ -78,7 +78,8 @@ def test_truncated_records_are_continued_not_regenerated_and_superseded(procs, s
     res = procs.run("retry", "--truncated", "--continue-to", str(UPTO), "--records", out)
     assert res.returncode == 0 and f"ext: re-opened {len(cut)}" in res.stdout, res.stdout + res.stderr
     again = procs.run("retry", "--truncated", "--continue-to", str(UPTO), "--records", out)
-    assert "ext: re-opened 0;" in again.stdout and f"{len(cut)} re-opened already" in again.stdout, again.stdout
+    assert "ext: re-opened 0;" in again.stdout, again.stdout
+    assert f"{len(cut)} re-opened already" in again.stdout, again.stdout
     assert procs.run("worker", "--server", url, "--burst", "--concurrency", "16").returncode == 0
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
     exported = _check_extended(procs, out, "ext", prompts, before)
