@@ -66,9 +66,7 @@ def check(settings: DatasetSettings) -> None:
         raise CannotExtend(f"dataset {settings.name}: --continue-to keeps no --logprobs across pieces yet")
 
 
-def extend(
-    conn: redis.Redis, keys: Keys, settings: DatasetSettings, raw: Path, continue_to: int
-) -> Extended:
+def extend(conn: redis.Redis, keys: Keys, settings: DatasetSettings, raw: Path, continue_to: int) -> Extended:
     """Re-open every record of ``raw`` (the dataset's raw file) that is its id's last, ended on
     ``length`` below ``continue_to`` and was not cut by a full context, as a job continuing it."""
     check(settings)
