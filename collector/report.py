@@ -123,9 +123,17 @@ def _numbers(d: DatasetStats) -> str:
 
 
 def _lengths(d: DatasetStats) -> str:
-    if not d.lengths:
+    lengths = d.record_lengths()
+    if not lengths:
         return _note("no records")
-    return bar_chart(histogram(d.lengths), "completion length histogram", "records", "tokens")
+    return bar_chart(histogram(lengths), "completion length histogram", "records", "tokens")
+
+
+def _ledger(d: DatasetStats) -> str:
+    book = d.ledger()
+    if book is None:
+        return _note("no ledger: records of another tool")
+    return _rows([(k, f"{v:,}") for k, v in book.items()], "ledger: where each row read went")
 
 
 def _throughput(d: DatasetStats) -> str:
@@ -176,6 +184,8 @@ def _dataset(name: str, d: DatasetStats) -> str:
     parts = [
         f'<section class="dataset" data-dataset="{escape(name)}"><h2>{escape(name)}</h2>',
         _numbers(d),
+        "<h3>Ledger</h3>",
+        _ledger(d),
         "<h3>Completion length</h3>",
         _lengths(d),
         "<h3>Finish reasons</h3>",

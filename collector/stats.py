@@ -30,6 +30,7 @@ import click
 import orjson
 from rich.table import Table
 
+from genq import datasets as dataset_settings
 from genq import terminal
 from genq.schema import EXPORTS, RAW, REJECTS, cut_short, extends
 from genq.settings import option
@@ -49,6 +50,8 @@ class Rec:
     finished_at: float | None = None  # epoch seconds
     attempts: int | None = None  # sends it took
     extends: int | None = None  # the completion tokens of the record it supersedes (genq/schema.py)
+    pieces: int | None = None  # requests its output was made in (--continue-to)
+    id: str | None = None  # genq's record id: a record beats an earlier error of its id
 
 
 class Unreadable(Exception):
@@ -114,6 +117,8 @@ def read_genq(obj: dict) -> Rec | None:
         _epoch(obj.get("finished_at")),
         _positive(obj.get("attempts")),
         extends(obj),
+        _positive(obj.get("pieces")),
+        obj["id"] if isinstance(obj["id"], str) else None,
     )
 
 
@@ -189,6 +194,9 @@ class DatasetStats:
     completion_tokens: int = 0
     lengths: list[int] = field(default_factory=list)
     superseded: list[int] = field(default_factory=list)  # lengths of records an extension superseded
+    continued: int = 0  # records continued in pieces whose model stopped
+    failed_ids: set[str] = field(default_factory=set)  # ids of errors no record of theirs followed
+    rejected: int | None = None  # jobs of the rows enqueue rejected (rejected.jsonl beside the records)
     latencies: list[float] = field(default_factory=list)
     finish_reasons: Counter = field(default_factory=Counter)
     cut: int = 0
@@ -220,6 +228,8 @@ class DatasetStats:
             return self._unrecognized(where, str(exc))
         error = error_class(obj)
         if error is not None:
+            if isinstance(obj.get("id"), str):
+                self.failed_ids.add(obj["id"])
             self.errors[error] += 1
             message = error_message(obj)
             if message is not None:
@@ -239,6 +249,9 @@ class DatasetStats:
             self.finish_reasons["length"] -= 1
             new -= rec.extends
         self.completion_tokens += new
+        self.failed_ids.discard(rec.id)  # errors.jsonl sorts before raw_responses.jsonl: read first
+        if (rec.pieces or 1) > 1 and rec.finish_reason != "length":
+            self.continued += 1
         self.lengths.append(rec.completion_tokens)
         self.finish_reasons[rec.finish_reason or "unknown"] += 1
         if rec.cut is not None and rec.extends is None:
@@ -255,7 +268,24 @@ class DatasetStats:
             self.first_at = at if self.first_at is None else min(at, self.first_at)
             self.last_at = at if self.last_at is None else max(at, self.last_at)
 
-    def _lengths(self) -> list[int]:
+    def ledger(self) -> dict[str, int] | None:
+        """Where each row read went, from the files alone (genq's records only): stopped,
+        continued, cut (ended on length), failed (errors with no record after them), rejected
+        (rejected.jsonl, where `genq run` wrote one); ``read`` is their sum."""
+        if set(self.shapes) - {"genq"} or not self.records and not self.failed_ids:
+            return None
+        length = self.finish_reasons["length"]
+        counts = {
+            "stopped": self.records - length - self.continued,
+            "continued": self.continued,
+            "cut": length,
+            "failed": len(self.failed_ids),
+        }
+        if self.rejected is not None:
+            counts["rejected"] = self.rejected
+        return {**counts, "read": sum(counts.values())}
+
+    def record_lengths(self) -> list[int]:
         """The completion tokens of each record, superseded ones left out."""
         if not self.superseded:
             return self.lengths
@@ -281,12 +311,13 @@ class DatasetStats:
             "avg_completion_tokens": round(self.completion_tokens / self.records, 1)
             if self.records
             else None,
-            "completion_tokens_percentiles": percentiles(self._lengths()),
+            "completion_tokens_percentiles": percentiles(self.record_lengths()),
             "finish_reasons": dict((+self.finish_reasons).most_common()),
             "cut": self.cut,
             "latency_s": percentiles(self.latencies),
             "shapes": dict(self.shapes.most_common()),
             "errors": dict(self.errors.most_common()),
+            "ledger": self.ledger(),
             "unrecognized": {"lines": self.unrecognized, "examples": self.examples},
         }
 
@@ -351,10 +382,25 @@ def _genq_rejects(path: Path) -> bool:
     return isinstance(entry, dict) and {"dataset_row", "reason"} <= entry.keys()
 
 
+def _jobs(rejects: Path) -> int:
+    """The jobs of the rows in a rejected.jsonl: its lines x the dataset's samples (its settings
+    beside it; one sample without them)."""
+    try:
+        settings = dataset_settings.read_file(rejects.parent)
+    except ValueError:
+        settings = None
+    with rejects.open("rb") as fh:
+        rows = sum(1 for line in fh if line.strip())
+    return rows * (settings.samples if settings is not None else 1)
+
+
 def folder_stats(root: Path) -> dict[str, DatasetStats]:
     out: dict[str, DatasetStats] = {}
     for dataset, path in files(root):
         stats = out.setdefault(dataset, DatasetStats())
+        rejects = path.with_name(REJECTS)
+        if stats.rejected is None and rejects.is_file() and _genq_rejects(rejects):
+            stats.rejected = _jobs(rejects)
         shown = path.relative_to(root).as_posix()
         with path.open("rb") as fh:
             for lineno, line in enumerate(fh, 1):
@@ -390,6 +436,8 @@ def stats_command(folder: Path, as_json: bool) -> None:
             details.append(f"latency s p50 {lat['p50']:.2f} p90 {lat['p90']:.2f} p99 {lat['p99']:.2f}")
         if d["errors"]:
             details.append(f"errors: {_pairs(d['errors'])}")
+        if d["ledger"]:
+            details.append(f"ledger: {_pairs(d['ledger'])}")
         console.print(f"[bold]{name}[/bold]  " + " · ".join(details), highlight=False, soft_wrap=True)
         if d["unrecognized"]["lines"]:
             console.print(

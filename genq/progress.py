@@ -5,7 +5,8 @@
 - in_flight: started on a worker (RQ's StartedJobRegistry), or a result in the stream not yet on disk
 - retrying:  scheduled by RQ for a later retry, or waiting in a worker between two attempts (the
              worker's ``retrying`` hash; those jobs are in the StartedJobRegistry too and move here)
-- done:      record on disk (``done`` bitmap, set only after fsync)
+- done:      record on disk (``done`` bitmap, set only after fsync), unless `genq retry --truncated`
+             re-opened it (``extending``): then where its job is
 - failed:    error on disk (``failed`` bitmap)
 
 Also the workers registered with RQ and the collector's lag. These are in the contract because
@@ -38,12 +39,16 @@ def dataset_counts(conn: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
             pipe.hget(keys.in_stream, name)
             pipe.bitcount(keys.done(name))
             pipe.bitcount(keys.failed(name))
+            pipe.bitcount(keys.extending(name))
+            pipe.bitcount(keys.rejected(name))
         pipe.hgetall(keys.in_source)  # in the same round trip as the bitmaps: a push moves both at once
         *raw, in_source = pipe.execute()
     unread = {name.decode(): int(n) for name, n in in_source.items()}
     out: dict[str, dict[str, int]] = {}
     for i, name in enumerate(names):
-        total, queued, moving, started, scheduled, streamed, done, failed = raw[i * 8 : i * 8 + 8]
+        total, queued, moving, started, scheduled, streamed, done, failed, extending, rejected = raw[
+            i * 10 : i * 10 + 10
+        ]
         backoff = min(waiting.get(name, 0), started)  # a count can only be ahead of RQ's, briefly
         total += unread.get(name, 0)
         counts = {
@@ -51,10 +56,14 @@ def dataset_counts(conn: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
             "queued": queued + moving + unread.get(name, 0),
             "in_flight": started - backoff + int(streamed or 0),
             "retrying": scheduled + backoff,
-            "done": done,
+            # A record re-opened by `genq retry --truncated` is counted where its job is until its
+            # longer record is on disk.
+            "done": done - extending,
             "failed": failed,
         }
         counts["unaccounted"] = total - sum(counts[s] for s in STATES)
+        counts["extending"] = extending
+        counts["rejected"] = rejected  # rows enqueue refused: not in the total
         out[name] = counts
     return out
 

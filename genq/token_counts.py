@@ -47,6 +47,12 @@ def add(pipe, keys: Keys, dataset: str, records: list[dict], now: float | None, 
     cut = sum(1 for r in fresh if cut_short(r))
     if cut:
         pipe.hincrby(key, "cut", cut)
+    # The ledger's endings (genq/progress.py): ended on length, and stopped after two pieces or more.
+    # An extension's superseded record ended on length: it leaves that count.
+    length = sum(1 for r in records if r.get("finish_reason") == "length") - (len(records) - len(fresh))
+    continued = sum(1 for r in records if r.get("finish_reason") != "length" and (r.get("pieces") or 1) > 1)
+    pipe.hincrby(key, "length", length)  # written even at 0: a hash without them is an older genq's
+    pipe.hincrby(key, "continued", continued)
     if live:
         pipe.hincrby(key, "live_tokens", completion)
     if now is not None:
@@ -73,6 +79,8 @@ class Tokens:
     tokens_per_s: float | None  # recent, over WINDOW_S
     tokens_per_s_since_start: float | None
     cut: int | None = None  # records the server stopped below the max_new_tokens asked for
+    length: int | None = None  # records that ended on length (at the cap, continued or not)
+    continued: int | None = None  # records continued in pieces whose model stopped
 
     @property
     def avg_completion_tokens(self) -> float | None:
@@ -119,4 +127,15 @@ def read(
         tokens_per_s=recent,
         tokens_per_s_since_start=since_start,
         cut=int(fields.get("cut", 0)) if exact else None,
+        length=_ledger(fields, "length", exact),
+        continued=_ledger(fields, "continued", exact),
     )
+
+
+def _ledger(fields: dict[str, str], name: str, exact: bool) -> int | None:
+    """A ledger count: unknown where the counters are not exact, or were kept by an older genq."""
+    if not exact:
+        return None
+    if name in fields:
+        return int(fields[name])
+    return 0 if int(fields.get("records", 0)) == 0 else None

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from genq.keys import Keys
-from tests.helpers import log_of, read_jsonl, sigkill, sim_stats, wait_until, write_prompts
+from tests.helpers import log_of, read_jsonl, sigkill, sim_stats, status_json, wait_until, write_prompts
 from tests.test_pieces import LENGTHS, PIECE, SIM_FLAGS, one_shot
 
 UPTO = 96
@@ -56,6 +56,13 @@ def _check_extended(procs, out, name: str, prompts: list, before: list[dict]) ->
     assert mine["records"] == len(prompts)
     assert mine["completion_tokens"] == sum(r["completion_tokens"] for r in last.values())
     assert sum(mine["finish_reasons"].values()) == len(prompts)
+    book = status_json(procs)["datasets"][name]["ledger"]
+    assert book["read"] == len(prompts) and book["pending"] == 0 and book["rejected"] == 0, book
+    assert {k: book[k] for k in mine["ledger"]} == mine["ledger"], "Redis's ledger is the files' ledger"
+    still_cut = sum(1 for r in last.values() if r["finish_reason"] == "length")
+    assert book["cut"] == still_cut and book["continued"] == sum(
+        1 for r in last.values() if r["finish_reason"] != "length" and r.get("pieces", 1) > 1
+    )
     conn = redis.Redis.from_url(procs.env["GENQ_REDIS_URL"])
     keys = Keys(procs.env["GENQ_NAMESPACE"])
     tokens = {k.decode(): v for k, v in conn.hgetall(keys.tokens(name)).items()}
@@ -75,8 +82,21 @@ def test_truncated_records_are_continued_not_regenerated_and_superseded(procs, s
     assert len(cut) >= 50, "the model stops after 50 tokens at the earliest"
     generated = sim_stats(url)["tokens_generated"]
 
+    book = status_json(procs)["datasets"]["ext"]["ledger"]
+    assert book == {
+        "stopped": 60 - len(cut),
+        "continued": 0,
+        "cut": len(cut),
+        "failed": 0,
+        "rejected": 0,
+        "pending": 0,
+        "read": 60,
+    }, book
     res = procs.run("retry", "--truncated", "--continue-to", str(UPTO), "--records", out)
     assert res.returncode == 0 and f"ext: re-opened {len(cut)}" in res.stdout, res.stdout + res.stderr
+    counts = status_json(procs)["datasets"]["ext"]
+    assert counts["done"] == 60 - len(cut) and counts["queued"] == len(cut) and counts["unaccounted"] == 0
+    assert counts["ledger"]["pending"] == len(cut) and counts["ledger"]["cut"] == 0
     again = procs.run("retry", "--truncated", "--continue-to", str(UPTO), "--records", out)
     assert "ext: re-opened 0;" in again.stdout, again.stdout
     assert f"{len(cut)} re-opened already" in again.stdout, again.stdout

@@ -85,6 +85,23 @@ def counts_table(data: dict[str, Any]) -> Table:
     return table
 
 
+LEDGER = ("stopped", "continued", "cut", "failed", "rejected", "pending")
+
+
+def ledger_table(data: dict[str, Any]) -> Table:
+    """Where every row read went (genq/commands/status.py ``ledger``): the columns sum to ``read``."""
+    table = _table("ledger (rows x samples)", "dataset", "read", *LEDGER)
+    table.columns[0].overflow = "ellipsis"
+    table.columns[0].max_width = 14
+    for name, c in data["datasets"].items():
+        book = c.get("ledger")
+        if book is None:
+            table.add_row(name, count(c["total"] + c["rejected"]), *(UNKNOWN for _ in LEDGER))
+        else:
+            table.add_row(name, count(book["read"]), *(count(book[k]) for k in LEDGER))
+    return table
+
+
 def tokens_table(data: dict[str, Any]) -> Table:
     table = _table("tokens", "dataset", "prompt", "completion", "avg", "cut", "tok/s 5m", "tok/s all", "ETA")
     table.columns[0].overflow = "ellipsis"
@@ -224,6 +241,8 @@ def frame(data: dict[str, Any], groups: list[failures.Group], url: str, at: floa
         header,
         Text(""),
         progress_table(data),
+        Text(""),
+        ledger_table(data),
         Text(""),
         workers_table(data),
         Text(""),

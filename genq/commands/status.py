@@ -105,9 +105,10 @@ def with_tokens(conn: redis.Redis, keys: Keys, counts: dict[str, dict[str, int]]
     out = {}
     for i, (name, c) in enumerate(counts.items()):
         remaining = max(0, c["total"] - c["done"] - c["failed"])
-        t = token_counts.read(raw[2 * i], raw[2 * i + 1], c["done"], remaining == 0, now)
+        t = token_counts.read(raw[2 * i], raw[2 * i + 1], c["done"] + c["extending"], remaining == 0, now)
         out[name] = {
             **c,
+            "ledger": ledger(c, t),
             "prompt_tokens": t.prompt_tokens,
             "completion_tokens": t.completion_tokens,
             "avg_completion_tokens": _round(t.avg_completion_tokens),
@@ -117,6 +118,28 @@ def with_tokens(conn: redis.Redis, keys: Keys, counts: dict[str, dict[str, int]]
             "eta_s": _round(t.eta_s(remaining)),
         }
     return out
+
+
+def ledger(c: dict[str, int], t: token_counts.Tokens) -> dict[str, int] | None:
+    """Where every row read went, summing to ``read`` (rows x samples): stopped (the model
+    ended it in one piece), continued (in pieces, then stopped), cut (ended on length: at the cap,
+    at --continue-to, or at a full context), failed, rejected at enqueue, and pending (queued, in
+    flight, retrying). None where the token counters cannot say (an older genq's run)."""
+    if t.length is None or t.continued is None:
+        return None
+    on_disk = c["done"] + c["extending"]
+    cut = t.length - c["extending"]  # a re-opened record ended on length, and is pending again
+    counts = {
+        "stopped": on_disk - t.length - t.continued,
+        "continued": t.continued,
+        "cut": cut,
+        "failed": c["failed"],
+        "rejected": c["rejected"],
+        "pending": c["queued"] + c["in_flight"] + c["retrying"],
+    }
+    if c["unaccounted"]:  # jobs in no state (genq verify says which): the sum stays exact
+        counts["unaccounted"] = c["unaccounted"]
+    return {**counts, "read": c["total"] + c["rejected"]}
 
 
 def totals(per_dataset: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -38,6 +38,7 @@ def status_command(as_json: bool, out: Path | None, redis_url: str, namespace: s
     console.print(f"genq namespace {namespace!r}")
     for part in (
         monitor_view.counts_table(data),
+        monitor_view.ledger_table(data),
         monitor_view.tokens_table(data),
         monitor_view.workers_table(data),
         monitor_view.lag_line(data),
