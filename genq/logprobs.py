@@ -21,7 +21,9 @@ and the collector again before writing it (:func:`check`).
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import struct
 import zlib
 from array import array
@@ -97,12 +99,30 @@ def pack(record_id: str, lp: LogProbs) -> bytes:
     payload = (
         name + array("f", token).tobytes() + array("i", ids).tobytes() + struct.pack(f"<{len(tops)}e", *tops)
     )
-    flags, crc = token_flags | top_flags, zlib.crc32(payload)
+    flags, crc = token_flags | top_flags | lp.flags, zlib.crc32(payload)
     frame = HEADER.pack(MAGIC, VERSION, flags, len(name), n, k, 0, len(payload), crc) + payload
     why = check(frame, record_id, n)
     if why is not None:
         raise Invalid(why)
     return frame
+
+
+def unpack(frame: bytes) -> LogProbs:
+    """The log-probabilities of one whole frame, checked first (:func:`check`); its flags kept."""
+    _, _, flags, id_len, n, k, _, _, _ = HEADER.unpack_from(frame)
+    lp = _unpack(frame[HEADER.size + id_len :], n, k)
+    lp.flags = flags
+    return lp
+
+
+def join(parts: list[LogProbs]) -> LogProbs:
+    """One answer's log-probabilities from those of its pieces, in order (worker/pieces.py)."""
+    return LogProbs(
+        [x for p in parts for x in p.token],
+        [row for p in parts for row in p.top_ids],
+        [row for p in parts for row in p.top],
+        flags=functools.reduce(operator.or_, (p.flags for p in parts), 0),
+    )
 
 
 def _fit(values: list[float | None], bound: float) -> tuple[list[float], int]:

@@ -6,10 +6,12 @@ it is untrusted: :meth:`Progress.from_json` checks it against the job.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from genq import logprobs
 from genq.backends import Answer
 from genq.schema import JobSpec, dumps, loads
 
@@ -23,6 +25,9 @@ class Progress:
     attempts: list[int] = field(default_factory=list)  # sends charged to each piece
     prompt_tokens: int | None = None  # the first piece's: the prompt itself
     cached_tokens: int | None = None
+    # --logprobs: the frame of the output so far (genq/logprobs.py, base64), or why there is none
+    logprobs: str | None = None
+    logprobs_error: str | None = None
 
     @property
     def pieces(self) -> int:
@@ -52,6 +57,16 @@ class Progress:
         for name in ("prompt_tokens", "cached_tokens"):
             if data[name] is not None and (type(data[name]) is not int or data[name] < 0):
                 raise ValueError(f"{name!r} is not a count")
+        if data["logprobs_error"] is not None and not isinstance(data["logprobs_error"], str):
+            raise ValueError("'logprobs_error' is not a text")
+        if data["logprobs"] is not None:
+            try:
+                frame = base64.b64decode(data["logprobs"], validate=True)
+            except (TypeError, ValueError):
+                raise ValueError("'logprobs' is not base64") from None
+            why = logprobs.check(frame, spec.id, len(ids))
+            if why is not None:
+                raise ValueError(f"'logprobs' is not the frame of its output: {why}")
         return cls(**data)
 
     @classmethod
@@ -68,12 +83,29 @@ class Progress:
             record.get("cached_tokens"),
         )
 
-    def add(self, answer: Answer, attempts: int) -> None:
+    def add(self, answer: Answer, attempts: int, record_id: str) -> None:
+        self._add_logprobs(answer, record_id)
         self.output_ids += answer.output_ids or []
         self.texts.append(answer.text)
         self.attempts.append(attempts)
         if self.prompt_tokens is None:
             self.prompt_tokens, self.cached_tokens = answer.prompt_tokens, answer.cached_tokens
+
+    def _add_logprobs(self, answer: Answer, record_id: str) -> None:
+        """Join the piece's log-probabilities to the output's, packed as the frame it will be: a
+        piece whose logprobs cannot make one costs the frame, not the output (as for one request)."""
+        if answer.logprobs is None or self.logprobs_error is not None:
+            return
+        so_far = [logprobs.unpack(base64.b64decode(self.logprobs))] if self.logprobs else []
+        if self.pieces and not so_far:
+            self.logprobs_error = "a piece before this one came without logprobs"
+            return
+        try:
+            frame = logprobs.pack(record_id, logprobs.join([*so_far, answer.logprobs]))
+        except logprobs.Invalid as exc:
+            self.logprobs, self.logprobs_error = None, str(exc)
+            return
+        self.logprobs = base64.b64encode(frame).decode()
 
     def joined(self, last: Answer) -> Answer:
         """The whole output as one answer, as if one request had made it."""
@@ -88,4 +120,5 @@ class Progress:
             finish_length=None,
             reasoning=None,
             content=None,
+            logprobs=logprobs.unpack(base64.b64decode(self.logprobs)) if self.logprobs else None,
         )

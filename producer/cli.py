@@ -283,7 +283,7 @@ def enqueue_command(
         raise click.UsageError("--logprobs is not kept for --turns all conversations yet")
     server_renders = backend == "openai-chat"
     if continue_to is not None:
-        _check_continue_to(continue_to, sampling.params()["max_new_tokens"], server_renders, turns, logprobs)
+        _check_continue_to(continue_to, sampling.params()["max_new_tokens"], server_renders, turns)
     if server_renders and tokenizer:
         raise click.UsageError(
             "--tokenizer renders prompts into token ids; the openai-chat backend sends messages"
@@ -484,9 +484,7 @@ def print_summary(name: str, summary: Summary) -> None:
     click.echo(f"{name}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 
 
-def _check_continue_to(
-    continue_to: int, max_new_tokens: int, server_renders: bool, turns: str, logprobs: int | None
-) -> None:
+def _check_continue_to(continue_to: int, max_new_tokens: int, server_renders: bool, turns: str) -> None:
     """--continue-to sends prompt + output so far as token ids (worker/pieces.py): refused in one
     line where that cannot be done."""
     if continue_to <= max_new_tokens:
@@ -501,8 +499,6 @@ def _check_continue_to(
         )
     if turns == "all":
         raise click.UsageError("--continue-to continues one answer; it does not go with --turns all")
-    if logprobs is not None:
-        raise click.UsageError("--continue-to keeps no --logprobs across pieces yet: leave one of them out")
 
 
 def enqueue_main() -> None:

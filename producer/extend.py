@@ -63,7 +63,9 @@ def check(settings: DatasetSettings) -> None:
     if prompting.get("turns") == "all":
         raise CannotExtend(f"dataset {settings.name}: a conversation (--turns all) is not continued")
     if prompting.get("logprobs") is not None:
-        raise CannotExtend(f"dataset {settings.name}: --continue-to keeps no --logprobs across pieces yet")
+        raise CannotExtend(
+            f"dataset {settings.name}: its records' logprobs frames are not carried into an extension yet"
+        )
 
 
 def extend(conn: redis.Redis, keys: Keys, settings: DatasetSettings, raw: Path, continue_to: int) -> Extended:

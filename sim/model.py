@@ -261,12 +261,16 @@ def wild(token: list, top: list[list[tuple[int, float]]]) -> None:
         top[-1][-1] = (top[-1][-1][0], -1e6)
 
 
-def logprobs(output_ids: Sequence[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+def logprobs(
+    output_ids: Sequence[int], k: int, offset: int = 0
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Made-up but deterministic log-probabilities of an answer: each token's own, and the top ``k``
-    (id, logprob) pairs at its position, best first, the sampled token among them."""
+    (id, logprob) pairs at its position, best first, the sampled token among them. ``offset``: the
+    position of the first output token (the autoregressive model's input length), so an output
+    continued from its first tokens has the logprobs one request would have given."""
     token: list[float] = []
     top: list[list[tuple[int, float]]] = []
-    for pos, chosen in enumerate(output_ids):
+    for pos, chosen in enumerate(output_ids, start=offset):
         rng = random.Random(chosen * 1_000_003 + pos)
         mine = -rng.random() * 2
         ids: list[int] = []

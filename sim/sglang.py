@@ -96,7 +96,8 @@ async def _answer(
         body["output_ids"] = output_ids
     meta: dict[str, Any] = {}
     if req.logprobs is not None:  # return_logprob: [logprob, id, text] per output token
-        token, top = model.logprobs(output_ids, req.logprobs)
+        offset = len(req.input_ids) if state.config.autoregressive else 0
+        token, top = model.logprobs(output_ids, req.logprobs, offset)
         if served.fault == "wild_logprobs":
             model.wild(token, top)
         meta["input_token_logprobs"] = []  # logprob_start_len -1 (the default): no prompt logprobs

@@ -185,6 +185,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             int(body["logprobs"]),
             bool(body.get("return_tokens_as_token_ids")),
             served.fault == "wild_logprobs",
+            len(ids) if state.config.autoregressive else 0,
         )
     result = {
         "id": f"cmpl-{request_id}",
@@ -271,13 +272,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await deliver(request, state, served, orjson.dumps(_with_extras(state, result)))
 
 
-def _logprobs(output_ids: list[int], k: int, as_ids: bool, wild: bool) -> dict[str, Any]:
+def _logprobs(output_ids: list[int], k: int, as_ids: bool, wild: bool, offset: int) -> dict[str, Any]:
     """The completions logprobs object; tokens named "token_id:N" with return_tokens_as_token_ids."""
 
     def name(i: int) -> str:
         return f"token_id:{i}" if as_ids else model.detokenize([i], False)
 
-    token, top = model.logprobs(output_ids, k)
+    token, top = model.logprobs(output_ids, k, offset)
     if wild:
         model.wild(token, top)
     return {

@@ -44,7 +44,13 @@ def test_monitor_frame_of_a_run_fits_80_columns_and_agrees_with_status(procs, st
     assert res.returncode == 0, res.stderr
     frame = res.stdout
     assert max(len(line) for line in frame.splitlines()) <= 80, frame
-    lines = {line.split()[0]: line.split() for line in frame.splitlines() if line.strip()}
+    lines: dict[str, list[str]] = {}  # each dataset's first row (progress), then its ledger row
+    ledger: dict[str, list[str]] = {}
+    for row in (line.split() for line in frame.splitlines() if line.strip()):
+        (ledger if row[0] in lines else lines).setdefault(row[0], row)
+    for name, n in (("alpha", 40), ("beta", 25), ("big", 1)):  # read, then where each row went
+        assert ledger[name][1] == str(n) and sum(map(int, ledger[name][2:])) == n, frame
+    assert ledger["big"][2:] == ["0", "0", "0", "1", "0", "0"], "stopped, continued, cut, failed, ..."
     assert lines["alpha"][2:5] == ["100%", "40/40", "0"], frame
     assert lines["beta"][2:5] == ["100%", "25/25", "0"], frame
     assert lines["big"][2:5] == ["100%", "1/1", "1"], frame

@@ -12,7 +12,9 @@ import redis
 
 from genq.commands.embedded import free_port
 from genq.keys import Keys
+from genq.logprobs import FILE, frames
 from sim.model import generate
+from sim.model import logprobs as sim_logprobs
 from tests.helpers import (
     finish_run,
     genq_argv,
@@ -96,13 +98,33 @@ def test_pieces_join_into_the_one_shot_output_and_stop_at_the_context(procs, sta
     assert any(r.get("context_full") for r in records)
 
 
+def test_logprobs_join_across_pieces_into_one_frame(procs, start_sim, out, tmp_path):
+    """--logprobs with --continue-to: one frame per record in logprobs.bin, the pieces' logprobs
+    joined in order, equal to what one request gives (the model's logprobs depend on the position
+    in the whole sequence, as a real model's do)."""
+    prompts = write_prompts(tmp_path / "lp.jsonl", 30)
+    url = start_sim(*SIM_FLAGS)
+    assert procs.run("enqueue", tmp_path / "lp.jsonl", *ENQUEUE_FLAGS, "--logprobs", "3").returncode == 0
+    assert procs.run("worker", "--server", url, "--burst", "--concurrency", "16").returncode == 0
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    records = read_jsonl(out / "lp" / "raw_responses.jsonl")
+    check_pieced(records, prompts)
+    found = {record_id: lp for _, _, record_id, lp in frames(out / "lp" / FILE)}
+    assert set(found) == {r["id"] for r in records}, "one frame per record"
+    for r in records:
+        token, top = sim_logprobs(r["output_ids"], 3, len(prompts[r["row"]]))
+        assert r["logprobs"] == {"file": FILE, "k": 3, "tokens": len(r["output_ids"])}
+        assert found[r["id"]].token == pytest.approx(token, abs=1e-6), r["id"]
+        assert found[r["id"]].top_ids == [[i for i, _ in row] for row in top], r["id"]
+    assert max(r["pieces"] for r in records) > 2
+
+
 @pytest.mark.parametrize(
     ("flags", "why"),
     [
         (("--continue-to", "16"), "must be above --max-new-tokens 16"),
         (("--continue-to", "64", "--backend", "openai-chat"), "the openai-chat backend sends messages"),
         (("--continue-to", "64", "--turns", "all"), "does not go with --turns all"),
-        (("--continue-to", "64", "--logprobs", "2"), "keeps no --logprobs across pieces yet"),
     ],
 )
 def test_continue_to_that_cannot_be_done_is_refused_in_one_line(procs, tmp_path, flags, why):

@@ -22,6 +22,9 @@ from genq.logprobs import FILE, frames
 from tests.conformance import Case, at, call, compare, concurrently, message, skeleton
 from tests.engines import (
     CONTEXT,
+    PIECED_FLAGS,
+    UPTO,
+    check_pieced_outputs,
     generations_per_job,
     hf_prompts,
     metric,
@@ -104,6 +107,18 @@ def test_records_equal_direct_greedy_generate_and_nothing_is_generated_twice(pro
     # A second enqueue finds everything on disk.
     res = procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0")
     assert "enqueued 0, skipped 240" in res.stdout, res.stdout
+
+
+def test_outputs_in_pieces_equal_one_request(procs, sglang, out, tmp_path, report):
+    """--continue-to on /generate: prompt + output so far as input_ids, against one request for
+    UPTO tokens asked directly."""
+    prompts = hf_prompts(60, seed=21)
+    data = write_ids(tmp_path / "pieced.jsonl", prompts)
+    assert procs.run("enqueue", data, *PIECED_FLAGS, "--server", sglang.url).returncode == 0
+    run_burst(procs, out, sglang.url, ("--concurrency", "16"))
+    records = sorted(read_jsonl(out / "pieced" / "raw_responses.jsonl"), key=lambda r: r["row"])
+    one_shot = sglang_direct(sglang.url, prompts, {"max_new_tokens": UPTO, "temperature": 0.0})
+    check_pieced_outputs(records, [a["output_ids"] for a in one_shot], "SGLang", report)
 
 
 @pytest.mark.timeout(600)

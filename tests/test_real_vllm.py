@@ -14,7 +14,17 @@ import pytest
 
 from genq.logprobs import FILE, frames
 from tests.conformance import Case, at, call, compare, concurrently
-from tests.engines import CONTEXT, generations_per_job, hf_prompts, metric, post, vllm_server
+from tests.engines import (
+    CONTEXT,
+    PIECED_FLAGS,
+    UPTO,
+    check_pieced_outputs,
+    generations_per_job,
+    hf_prompts,
+    metric,
+    post,
+    vllm_server,
+)
 from tests.helpers import (
     assert_verified,
     finish_run,
@@ -127,6 +137,18 @@ def test_records_equal_direct_completions_and_nothing_is_generated_twice(procs, 
     assert [per_job[f"{namespace}--exact-{i}"] for i in range(len(prompts))] == [1] * len(prompts)
     _check_exact(out, "exact", prompts, vllm.url)
     assert_verified(procs, out, data)
+
+
+def test_outputs_in_pieces_equal_one_request(procs, vllm, out, tmp_path, report):
+    """--continue-to on /v1/completions: prompt + output so far as a token-id prompt, against one
+    request for UPTO tokens asked directly."""
+    prompts = hf_prompts(60, seed=22)
+    data = write_ids(tmp_path / "pieced.jsonl", prompts)
+    assert procs.run("enqueue", data, *PIECED_FLAGS, "--server", vllm.url).returncode == 0
+    run_burst(procs, out, vllm.url, ("--concurrency", "16"))
+    records = sorted(read_jsonl(out / "pieced" / "raw_responses.jsonl"), key=lambda r: r["row"])
+    one_shot = [c["token_ids"] for c in completions(vllm.url, prompts, max_tokens=UPTO)]
+    check_pieced_outputs(records, one_shot, "vLLM", report)
 
 
 def test_the_chat_backend_through_chat_completions(procs, vllm, out, tmp_path):

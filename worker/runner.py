@@ -145,7 +145,7 @@ class JobRunner:
             answer = await self.attempts.answer(t, piece, tries)
             if answer is None:
                 return
-            progress.add(answer, tries.attempt)
+            progress.add(answer, tries.attempt, spec.id)
             if not pieces.goes_on(spec, progress, answer, piece.max_new_tokens):
                 short = len(progress.output_ids) < spec.continue_to
                 context_full = answer.finish_reason == "length" and short
@@ -155,9 +155,10 @@ class JobRunner:
             context_full = True
         if answer is None:  # resumed with no room left for a piece: the checkpoint is the output
             answer = Answer(None, None, "length", None, 0, 0, None)
+        whole = progress.joined(answer)
         record = build_record(
             spec,
-            progress.joined(answer),
+            whole,
             attempts=sum(progress.attempts),
             latency_s=time.monotonic() - started,
             server=self.config.server,
@@ -165,7 +166,9 @@ class JobRunner:
             backend=self._backend().name,
         )
         record.update(pieces.record_fields(spec, progress, context_full))
-        await self._succeed(t, record)
+        if progress.logprobs_error is not None:
+            record["logprobs"] = logprobs.without_frame(None, progress.logprobs_error)
+        await self._succeed(t, record, self._frame(t, whole, record))
 
     async def _progress(self, t: Taken) -> Progress:
         """The output so far from an earlier worker (or this one), or a fresh start when there is
