@@ -85,6 +85,8 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "prompt_tokens": 30,
             "completion_tokens": 1600,
             "cut": 1,
+            "length": 2,  # ended on length: the ledger's cut
+            "continued": 0,
             "live_tokens": 1600,
             "first_at": NOW - 400,
             "last_at": NOW - 50,
@@ -116,8 +118,22 @@ def test_status_reads_known_counters_exactly(conn, namespace):
         "tokens_per_s": round(recent, 1),
         "tokens_per_s_since_start": 4.0,  # 1,600 in the 400 s since the first record
         "eta_s": round(6 * (1600 / 3) / recent, 1),
+        "extending": 0,
+        "rejected": 0,
+        # Where each of the 10 went: 3 on disk (1 stopped, 2 cut), 1 failed, 6 not done yet.
+        "ledger": {
+            "stopped": 1,
+            "continued": 0,
+            "cut": 2,
+            "failed": 1,
+            "rejected": 0,
+            "pending": 6,
+            "read": 10,
+        },
     }
     legacy = data["datasets"]["legacy"]
+    assert legacy["ledger"] is None, "counters of an older genq: where the rows went is unknown"
+    assert data["datasets"]["fresh"]["ledger"]["pending"] == 5
     assert (legacy["prompt_tokens"], legacy["completion_tokens"], legacy["avg_completion_tokens"]) == (
         None,
     ) * 3
