@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -98,21 +99,22 @@ def llama(llama_model, tmp_path) -> Iterator[LlamaServer]:
     server.stop()
 
 
-def direct(url: str, prompts: list[list[int]], n_predict: int) -> list[list[int]]:
-    """Each prompt's greedy output, asked of the server directly (16 at a time), for comparison."""
+def direct(url: str, prompts: list[list[int]], n_predict: int, field: str = "tokens") -> list[Any]:
+    """Each prompt's greedy output (its ``field``: the tokens, or the ``content``), asked of the
+    server directly (16 at a time), for comparison."""
     import asyncio
 
     import aiohttp
 
-    async def run() -> list[list[int]]:
+    async def run() -> list[Any]:
         gate = asyncio.Semaphore(16)
         async with aiohttp.ClientSession() as session:
 
-            async def one(ids: list[int]) -> list[int]:
+            async def one(ids: list[int]) -> Any:
                 body = {"prompt": ids, "n_predict": n_predict, "temperature": 0.0, "return_tokens": True}
                 async with gate, session.post(url + "/completion", data=orjson.dumps(body)) as resp:
                     assert resp.status == 200, await resp.text()
-                    return (await resp.json())["tokens"]
+                    return (await resp.json())[field]
 
             return await asyncio.gather(*(one(p) for p in prompts))
 
