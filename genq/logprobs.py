@@ -115,6 +115,12 @@ def unpack(frame: bytes) -> LogProbs:
     return lp
 
 
+def record_id(frame: bytes) -> str:
+    """The record id a whole frame is of."""
+    id_len = HEADER.unpack_from(frame)[3]
+    return frame[HEADER.size : HEADER.size + id_len].decode()
+
+
 def join(parts: list[LogProbs]) -> LogProbs:
     """One answer's log-probabilities from those of its pieces, in order (worker/pieces.py)."""
     return LogProbs(

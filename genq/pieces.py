@@ -28,6 +28,7 @@ class Progress:
     # --logprobs: the frame of the output so far (genq/logprobs.py, base64), or why there is none
     logprobs: str | None = None
     logprobs_error: str | None = None
+    given_back: int = 0  # ids a piece ended inside a character with, generated again (give_back)
 
     @property
     def pieces(self) -> int:
@@ -54,6 +55,8 @@ class Progress:
             raise ValueError("'texts' is not one per piece")
         if not all(t is None or isinstance(t, str) for t in texts):
             raise ValueError("'texts' holds something that is not a text")
+        if type(data["given_back"]) is not int or data["given_back"] < 0:
+            raise ValueError("'given_back' is not a count")
         for name in ("prompt_tokens", "cached_tokens"):
             if data[name] is not None and (type(data[name]) is not int or data[name] < 0):
                 raise ValueError(f"{name!r} is not a count")
@@ -106,6 +109,19 @@ class Progress:
             self.logprobs, self.logprobs_error = None, str(exc)
             return
         self.logprobs = base64.b64encode(frame).decode()
+
+    def give_back(self, n: int) -> None:
+        """Drop the last ``n`` output ids of the last piece (and their logprobs): the next piece
+        generates them again. Its text is kept: the engine held their bytes back from it."""
+        if n <= 0:
+            return
+        self.output_ids = self.output_ids[:-n]
+        self.given_back += n
+        if self.logprobs is not None:
+            frame = base64.b64decode(self.logprobs)
+            lp = logprobs.unpack(frame)
+            cut = logprobs.LogProbs(lp.token[:-n], lp.top_ids[:-n], lp.top[:-n], lp.flags)
+            self.logprobs = base64.b64encode(logprobs.pack(logprobs.record_id(frame), cut)).decode()
 
     def joined(self, last: Answer) -> Answer:
         """The whole output as one answer, as if one request had made it."""

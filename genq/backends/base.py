@@ -321,6 +321,14 @@ class Backend(ABC):
         """Stop the server's work on ``rid`` after giving up on it. Default: nothing beyond closing
         the connection, which the timeout already did (vLLM and llama.cpp abort on that)."""
 
+    async def open_character(self, output_ids: list[int]) -> int:
+        """How many of the last ``output_ids`` are the bytes of a character not yet whole, on an
+        engine whose detokenizer loses its context where a continued prompt ends inside one: a
+        piece is cut before them, and they are generated again (worker/runner.py). Default 0: the
+        engine detokenizes a continuation with the output before it as context, as one request
+        would (SGLang: a window of the ids before it, managers/detokenizer_manager.py; llama.cpp)."""
+        return 0
+
     async def load(self) -> Load | None:
         """The server's load now, from its own signals (genq/backends/load.py); None where it
         publishes none (hosted APIs). Cheap: --concurrency auto asks about once a second. Raises

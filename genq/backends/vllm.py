@@ -39,6 +39,8 @@ from genq.logprobs import Invalid, LogProbs, number
 from genq.schema import JobSpec
 
 PROBE_IDS = [1, 2, 3]
+OPEN_BYTES_MAX = 4  # ids looked back for a character cut short: its bytes after the first, and none
+DETOKENIZE_TIMEOUT_S = 10.0
 
 
 class VLLM(Backend):
@@ -102,6 +104,39 @@ class VLLM(Backend):
 
     async def generate(self, spec: JobSpec, rid: str, timeout: float) -> Answer:
         return answer(await oai.post(self.http, "/v1/completions", self.body(spec), rid, timeout), spec)
+
+    async def open_character(self, output_ids: list[int]) -> int:
+        """vLLM primes a request's DecodeStream with its prompt ids, and restarts it without them
+        when they end inside a character ("Invalid prefix", v1/engine/detokenizer.py
+        FastIncrementalDetokenizer): the next piece's text would lose that character. Its own
+        ``/detokenize`` says whether the last ids end whole (a character is at most 4 bytes, so 3
+        ids back at most); where it cannot say, 0."""
+        for back in range(OPEN_BYTES_MAX):
+            window = output_ids[max(0, len(output_ids) - back - 4) : len(output_ids) - back]
+            text = await self._detokenize(window) if window else None
+            if text is None:
+                return 0
+            if not text.endswith("\ufffd"):
+                return back
+        return 0  # not a character cut short: bytes that never make one
+
+    async def _detokenize(self, ids: list[int]) -> str | None:
+        if (None, "/detokenize") in self._absent:
+            return None
+        try:
+            status, raw, _ = await self.http.call(
+                "POST", "/detokenize", {"model": self.model, "tokens": ids}, timeout=DETOKENIZE_TIMEOUT_S
+            )
+        except AttemptError:
+            return None
+        if status in (404, 405, 501):
+            self._absent.add((None, "/detokenize"))
+        try:
+            data = parse_json(raw) if status == 200 else None
+        except AttemptError:
+            return None
+        text = data.get("prompt") if isinstance(data, dict) else None
+        return text if isinstance(text, str) else None
 
     async def load(self) -> Load | None:
         raw = await self.load_endpoint("/metrics")
