@@ -279,16 +279,28 @@ def one_failure(procs: Procs, sim_url: str, out: Path, tmp_path: Path) -> None:
 
 
 def assert_verified(procs: Procs, out: Path, data: Path) -> None:
-    """`genq verify` of the dataset ``data`` finds every row on disk once and nothing else."""
+    """`genq verify` of the dataset ``data`` finds every row on disk once and nothing else, and the
+    ledger Redis keeps (status) is the one the files give (stats)."""
     res = procs.run("verify", "--out", out, data, "--json")
     (audit,) = orjson.loads(res.stdout)
     assert res.returncode == 0 and audit["ok"], audit
+    status = status_json(procs)
+    assert_adds_up(status)
+    book = status["datasets"][audit["dataset"]]["ledger"]
+    files = orjson.loads(procs.run("stats", out, "--json").stdout)["datasets"][audit["dataset"]]["ledger"]
+    mine = ("stopped", "continued", "cut", "failed")
+    assert {k: book[k] for k in mine} == {k: files[k] for k in mine}, f"status {book}, stats {files}"
 
 
 def assert_adds_up(status: dict) -> None:
+    """The five states sum to the total, and the ledger (where known) to the rows read."""
     for name, c in status["datasets"].items():
         parts = c["queued"] + c["in_flight"] + c["retrying"] + c["done"] + c["failed"]
         assert parts == c["total"], f"{name}: {c} does not add up"
+        book = c["ledger"]
+        if book is not None:
+            assert min(book.values()) >= 0 and book["read"] == c["total"] + c["rejected"], f"{name}: {book}"
+            assert sum(v for k, v in book.items() if k != "read") == book["read"], f"{name}: {book}"
 
 
 def sigkill(proc: subprocess.Popen) -> None:
