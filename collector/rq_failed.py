@@ -30,8 +30,10 @@ def errors(
     settings: Mapping[str, datasets_mod.DatasetSettings],
 ) -> list[tuple[str, dict]]:
     """(dataset, error line) for each job in the failed registry of a dataset ``held`` whose id is
-    neither done nor failed. Call with the stream drained: a worker adds a job's error to the
-    stream before RQ marks the job failed, so what is left has no error of its own."""
+    neither done nor failed, or is a re-opened record (``extending``) whose extension failed so: the
+    collector then clears its bit, and its record stands. Call with the stream drained: a worker
+    adds a job's error to the stream before RQ marks the job failed, so what is left has no error of
+    its own."""
     found = []
     for name in held:
         samples = settings[name].samples
@@ -43,13 +45,15 @@ def errors(
         failed = conn.get(keys.failed(name)) or b""
         # A job never enqueued (forged into the queue) gets no line: `genq failed` shows it.
         enqueued = conn.get(keys.enqueued(name)) or b""
+        extending = conn.get(keys.extending(name)) or b""
         for job_id in ids:
             rid = keys.record_id(job_id)
             parsed = parse_record_id(rid, name, samples) if rid else None
             if parsed is None:
                 continue
             index = bit_index(*parsed, samples)
-            if is_set(done, index) or is_set(failed, index) or not is_set(enqueued, index):
+            on_disk = is_set(done, index) and not is_set(extending, index)
+            if on_disk or is_set(failed, index) or not is_set(enqueued, index):
                 continue
             found.append((name, _error_of_failed(conn, keys, job_id, rid, name, *parsed)))
     return found

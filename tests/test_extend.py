@@ -168,3 +168,28 @@ def test_extending_survives_kills_of_the_worker_and_the_collector(procs, start_s
     )
     assert 0 <= wasted <= bound, wasted
     assert LENGTHS[0] > PIECE
+
+
+def test_an_extension_that_fails_leaves_its_record_as_it_was(procs, start_sim, out, tmp_path):
+    """Re-opened records whose checkpoints are gone (Redis lost them) fail at once, generating
+    nothing: the collector clears their extending bits, each id keeps its one record, the ledger
+    counts them cut again, and `genq failed` lists the jobs."""
+    url, prompts = _setup(procs, start_sim, tmp_path, out, "lost", 20)
+    before = read_jsonl(out / "lost" / "raw_responses.jsonl")
+    cut = sum(1 for r in before if r["finish_reason"] == "length")
+    assert procs.run("retry", "--truncated", "--continue-to", str(UPTO), "--records", out).returncode == 0
+    conn = redis.Redis.from_url(procs.env["GENQ_REDIS_URL"])
+    keys = Keys(procs.env["GENQ_NAMESPACE"])
+    conn.delete(keys.pieces)
+    generated = sim_stats(url)["tokens_generated"]
+    assert procs.run("worker", "--server", url, "--burst", "--concurrency", "8").returncode == 0
+    collect = procs.run("collect", "--out", out, "--burst")
+    assert collect.returncode == 0 and "was not extended" in collect.stderr, collect.stderr
+    assert sim_stats(url)["tokens_generated"] - generated <= 1, "nothing generated but a probe's token"
+    assert read_jsonl(out / "lost" / "raw_responses.jsonl") == before, "the records stand as they were"
+    assert conn.bitcount(keys.extending("lost")) == 0
+    counts = status_json(procs)["datasets"]["lost"]
+    assert counts["done"] == len(prompts) and counts["ledger"]["cut"] == cut, counts
+    failed = procs.run("failed", "--json")
+    assert sum(g["count"] for g in orjson.loads(failed.stdout)["groups"]) == cut
+    assert procs.run("verify", "--out", out, "--dataset", "lost").returncode == 0
