@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import importlib.util
 import os
 from array import array
 from collections import Counter
@@ -35,6 +36,7 @@ from typing import Any
 import click
 import orjson
 
+from collector import parquet
 from genq import datasets, openai_batch
 from genq.schema import ERRORS, EXPORTS, RAW
 from genq.settings import Refused, option
@@ -48,6 +50,7 @@ class Exported:
     path: Path
     written: int = 0
     rendered: int = 0  # text records turned into ids with --tokenizer
+    files: list[Path] = field(default_factory=list)  # what was written: one JSONL file, or Parquet shards
     skipped: Counter[str] = field(default_factory=Counter)
 
 
@@ -75,50 +78,85 @@ def export_dataset(
     reasoning_content: bool = False,
     include_truncated: bool = False,
     template: Callable[[], ChatTemplate | None] = lambda: None,
+    shard_bytes: int | None = None,
 ) -> Exported:
     """Write ``out`` from ``raw`` (a raw_responses.jsonl) in format ``fmt``; ``template`` gives the
     chat template that renders text-only records (a chat backend's) and conversations into ids for
-    eagle3, loaded when a record first needs it (records with their ids need none)."""
+    eagle3, loaded when a record first needs it (records with their ids need none). With
+    ``shard_bytes`` (``parquet``, and eagle3 with --parquet) Parquet shards of about that size go
+    beside ``out``, named after its stem (collector/parquet.py)."""
     result = Exported(out)
+    rows = _rows(raw, fmt, reasoning_content, include_truncated, template, result)
+    if shard_bytes is not None:
+        columns = parquet.EAGLE3_COLUMNS if fmt == "eagle3" else parquet.RECORD_COLUMNS
+        stem = out.name.split(".")[0]
+        result.files, result.written = parquet.write(
+            rows, out.parent, stem, columns, shard_bytes, result.skipped
+        )
+        return result
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
     with tmp.open("wb") as fh:
-        if fmt == "openai-batch":
-            for line in _batch_lines(raw, reasoning_content):
-                fh.write(orjson.dumps(line) + b"\n")
-                result.written += 1
-        for record in _records(raw) if fmt != "openai-batch" else ():
-            view = _view(record)
-            if view is None:
-                result.skipped["not a record genq knows (no output_ids, choices or input_ids)"] += 1
-                continue
-            if view.finish == "length" and not include_truncated:
-                result.skipped["truncated (finish_reason length; --include-truncated keeps them)"] += 1
-                continue
-            rendered = view.turns is not None or view.output_ids is None
-            chat = template() if fmt == "eagle3" and rendered and view.messages else None
-            if chat is not None:
-                row = _rendered(view, chat, reasoning_content)
-                result.rendered += not isinstance(row, str)
-            elif fmt == "eagle3" and view.turns is not None:
-                row = "a conversation: eagle3 renders it whole with --tokenizer (the dataset's)"
-            elif fmt == "eagle3" and view.prompt_ids is None and _text_prompt(view) is not None:
-                row = _text_prompted(view, template())
-            elif fmt == "eagle3":
-                row = _eagle3(view)
-            else:
-                row = _chat(view, fmt, reasoning_content)
-            if isinstance(row, str):
-                result.skipped[row] += 1
-                continue
-            if record.get("source_id") is not None:
-                row["source_id"] = record["source_id"]  # the user's own id of the row
+        for row in rows:
             fh.write(orjson.dumps(row) + b"\n")
-            result.written += 1
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, out)
+    result.files = [out]
     return result
+
+
+def _rows(
+    raw: Path,
+    fmt: str,
+    reasoning_content: bool,
+    include_truncated: bool,
+    template: Callable[[], ChatTemplate | None],
+    result: Exported,
+) -> Iterator[dict[str, Any]]:
+    """The rows of format ``fmt``, in row order, each counted in ``result`` (written, or left out
+    with the reason)."""
+    if fmt == "openai-batch":
+        for line in _batch_lines(raw, reasoning_content):
+            result.written += 1
+            yield line
+        return
+    if fmt == "parquet":  # every record, each id's last: the record store, truncated ones too
+        for record in _records(raw):
+            if not isinstance(record.get("schema"), int) or not isinstance(record.get("id"), str):
+                result.skipped["not a genq record (parquet holds genq's records)"] += 1
+                continue
+            result.written += 1
+            yield parquet.record_row(record)
+        return
+    for record in _records(raw):
+        view = _view(record)
+        if view is None:
+            result.skipped["not a record genq knows (no output_ids, choices or input_ids)"] += 1
+            continue
+        if view.finish == "length" and not include_truncated:
+            result.skipped["truncated (finish_reason length; --include-truncated keeps them)"] += 1
+            continue
+        rendered = view.turns is not None or view.output_ids is None
+        chat = template() if fmt == "eagle3" and rendered and view.messages else None
+        if chat is not None:
+            row = _rendered(view, chat, reasoning_content)
+            result.rendered += not isinstance(row, str)
+        elif fmt == "eagle3" and view.turns is not None:
+            row = "a conversation: eagle3 renders it whole with --tokenizer (the dataset's)"
+        elif fmt == "eagle3" and view.prompt_ids is None and _text_prompt(view) is not None:
+            row = _text_prompted(view, template())
+        elif fmt == "eagle3":
+            row = _eagle3(view)
+        else:
+            row = _chat(view, fmt, reasoning_content)
+        if isinstance(row, str):
+            result.skipped[row] += 1
+            continue
+        if record.get("source_id") is not None:
+            row["source_id"] = record["source_id"]  # the user's own id of the row
+        result.written += 1
+        yield row
 
 
 def _batch_lines(raw: Path, reasoning_content: bool) -> Iterator[dict[str, Any]]:
@@ -355,6 +393,20 @@ def recorded_template(folder: Path, trust_remote_code: bool = False) -> ChatTemp
     default=None,
     help="Only this dataset (default: every folder of DIR with results).",
 )
+@option(
+    "--parquet",
+    "parquet_rows",
+    is_flag=True,
+    help="eagle3: write the rows as Parquet shards (tokenized_data-00000-of-0000N.parquet) instead of JSONL.",
+)
+@option(
+    "--shard-mb",
+    env="GENQ_EXPORT_SHARD_MB",
+    type=click.FloatRange(min=0.01),
+    default=500,
+    show_default=True,
+    help="Parquet: the size of a shard, in MB of Arrow data.",
+)
 @option("--reasoning-content", is_flag=True, help="Keep the reasoning as the answer's reasoning_content.")
 @option("--include-truncated", is_flag=True, help="Also export outputs cut by max_new_tokens.")
 @option(
@@ -375,6 +427,8 @@ def export_command(
     fmt: str,
     export_dir: Path | None,
     dataset: str | None,
+    parquet_rows: bool,
+    shard_mb: float,
     reasoning_content: bool,
     include_truncated: bool,
     tokenizer: str | None,
@@ -382,10 +436,16 @@ def export_command(
 ) -> None:
     """Training files from DIR/<dataset>/raw_responses.jsonl, which is only read.
 
-    eagle3: tokenized_data.jsonl (input_ids, loss_mask); sharegpt: sharegpt.jsonl; messages:
-    messages.jsonl; openai-batch: batch_output.jsonl (the OpenAI Batch API's output lines, failures
-    included). Records left out are counted with the reason.
+    eagle3: tokenized_data.jsonl (input_ids, loss_mask; Parquet with --parquet); sharegpt:
+    sharegpt.jsonl; messages: messages.jsonl; openai-batch: batch_output.jsonl (the OpenAI Batch
+    API's output lines, failures included); parquet: records-*.parquet (every record, each id's
+    last, all its fields). Records left out are counted with the reason.
     """
+    if parquet_rows and fmt != "eagle3":
+        raise click.UsageError("--parquet writes eagle3 rows; --format parquet writes the records")
+    shard_bytes = int(shard_mb * 2**20) if fmt == "parquet" or parquet_rows else None
+    if shard_bytes is not None and importlib.util.find_spec("pyarrow") is None:
+        raise click.ClickException("Parquet needs pyarrow: pip install 'genq[datasets]'")
     try:
         given = (
             ChatTemplate(tokenizer, trust_remote_code=trust_remote_code)
@@ -410,15 +470,18 @@ def export_command(
         template = functools.cache(
             lambda folder=folder: given or recorded_template(folder, trust_remote_code)
         )
+        target = EXPORTS[fmt] if not parquet_rows else "tokenized_data.parquet"
         result = export_dataset(
             raw,
-            (export_dir or out_dir) / name / EXPORTS[fmt],
+            (export_dir or out_dir) / name / target,
             fmt,
             reasoning_content,
             include_truncated,
             template,
+            shard_bytes,
         )
-        click.echo(f"{name}: wrote {result.written} to {result.path}")
+        shards = f" ({len(result.files)} shards: {result.files[0].name}...)" if len(result.files) > 1 else ""
+        click.echo(f"{name}: wrote {result.written} to {result.files[0]}{shards}")
         used = template() if result.rendered else None
         if used is not None:
             whose = "" if given else " (the dataset's, recorded at enqueue)"

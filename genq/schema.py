@@ -31,6 +31,7 @@ EXPORTS = {
     "sharegpt": "sharegpt.jsonl",
     "messages": "messages.jsonl",
     "openai-batch": "batch_output.jsonl",
+    "parquet": "records.parquet",  # shards records-00000-of-00002.parquet... (collector/parquet.py)
 }
 
 RECORD_FIELDS = (
