@@ -20,6 +20,7 @@ from genq.redis_errors import Outage
 log = logging.getLogger("genq.collector")
 T = TypeVar("T")
 SWEEP_EVERY_S = 30.0
+PROVENANCE_EVERY_S = 30.0  # OUT/<dataset>/provenance.json rewritten (genq/provenance.py)
 REAP_EVERY_S = 15
 # How often a collector looks for datasets to take: new ones, and ones whose holder is gone.
 CLAIM_EVERY_S = 2.0
@@ -48,7 +49,7 @@ class Loop:
 
     def run(self, burst: bool) -> None:
         c = self.collector
-        last_sweep = last_claim = 0.0
+        last_sweep = last_claim = last_provenance = 0.0
         # --burst looks for the end often: it exits within a tenth of a second of the last record.
         block_ms = 100 if burst else 1000
         while not self.stop:
@@ -58,6 +59,9 @@ class Loop:
                 last_claim = time.monotonic()
                 if not c.held and not held:
                     self._say_standby()
+            if time.monotonic() - last_provenance > PROVENANCE_EVERY_S:
+                self.call(c.write_provenance)  # busy or idle: a run that never idles keeps it current
+                last_provenance = time.monotonic()
             written = self.call(lambda: self._step(block_ms))
             if written and not (burst and written < c.batch and self.call(c.work_left) == 0):
                 if written < c.batch:
@@ -74,6 +78,7 @@ class Loop:
                 self.call(lambda: c.write(c.failed_without_error()))
                 last_sweep = time.monotonic()
             if nothing_left and self.call(c.work_left) == 0:
+                self.call(c.write_provenance)
                 log.info("collector: burst: nothing queued, in flight or in the stream")
                 return
 

@@ -27,7 +27,7 @@ from collector.files import Appender, Foreign, Unreadable
 from collector.leases import Leases
 from collector.reconcile import Reconciler
 from genq import datasets as datasets_mod
-from genq import token_counts
+from genq import provenance, token_counts
 from genq.bitmaps import get_bits, set_bits
 from genq.entries import BadEntry, quarantine, read_entry
 from genq.keys import Keys
@@ -132,6 +132,7 @@ class Collector:
         )
         self.written = 0
         self.duplicates = 0
+        self._warned: set[str] = set()  # provenance warnings already logged
 
     @property
     def held(self) -> dict[str, float]:
@@ -181,6 +182,23 @@ class Collector:
             log.warning("dataset %s: its settings not written beside its files: %s", name, exc)
         self.conn.set(self.keys.collector_ready(name), self.lease_id)
         log.info("collector %s: holds dataset %s", self.lease_id, name, extra={"dataset": name})
+        self.write_provenance()
+
+    def write_provenance(self) -> None:
+        """Each held dataset's provenance beside its records (genq/provenance.py), its warnings
+        (two models answering it) logged once. A disk that refuses it is said, never a stop."""
+        for name in list(self.held):
+            data = provenance.build(self.conn, self.keys, name)
+            if data is None:
+                continue
+            for warning in data["warnings"]:
+                if warning not in self._warned:
+                    self._warned.add(warning)
+                    log.warning("%s", warning, extra={"dataset": name})
+            try:
+                provenance.write(self.out / name, data)
+            except OSError as exc:
+                log.warning("dataset %s: its provenance not written: %s", name, exc, extra={"dataset": name})
 
     def _reconcile(self, name: str) -> bool:
         """Reconcile the files of ``name`` with Redis once (collector/reconcile.py), its open files

@@ -25,6 +25,10 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
                                     ``blake2b``): a later enqueue refuses another file under its name
 - ``ds:<name>:rejected``     bitmap jobs whose row enqueue refused (bad input, too long): `genq verify`
                                     tells them from rows never enqueued
+- ``ds:<name>:servers``      hash   server URL -> what a worker's probe read of it as it took the dataset's
+                                    jobs (JSON: backend, version, model, context length, when): the
+                                    dataset's provenance; two models answering one dataset are warned of
+- ``ds:<name>:provenance``   hash   the last enqueue's command line (secrets redacted), host and time
 - ``ds:<name>:tokens``       hash   records, prompt_tokens, completion_tokens of the records on disk (set
                                     in the MULTI that marks them done), live_tokens, first_at, last_at
 - ``ds:<name>:rate:<n>``     string completion tokens written to disk in the n-th 10 s bucket (expires in 1 h)
@@ -168,6 +172,12 @@ class Keys:
     def failed(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:failed"
 
+    def servers(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:servers"
+
+    def provenance(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:provenance"
+
     def extending(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:extending"
 
@@ -232,6 +242,6 @@ class Keys:
                 self.done(name): "string", self.failed(name): "string", self.rejected(name): "string",
                 self.sources(name): "hash", self.tokens(name): "hash", self.collector_lease(name): "string",
                 self.collector_ready(name): "string", self.enqueuing(name): "string",
-                self.extending(name): "string",
+                self.extending(name): "string", self.servers(name): "hash", self.provenance(name): "hash",
             })  # fmt: skip
         return shared

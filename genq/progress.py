@@ -22,7 +22,7 @@ from typing import Any
 import redis
 from rq import Worker
 
-from genq import datasets
+from genq import datasets, token_counts
 from genq.keys import Keys
 from genq.queues import count_unfinished, rq_queue
 
@@ -121,3 +121,25 @@ def stream_lag(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[
 def finished(counts: dict[str, dict[str, int]]) -> bool:
     """Every enqueued job is on disk, as a record or an error."""
     return all(c["done"] + c["failed"] >= c["total"] for c in counts.values())
+
+
+def ledger(c: dict[str, int], t: token_counts.Tokens) -> dict[str, int] | None:
+    """Where every row read went, summing to ``read`` (rows x samples): stopped (the model
+    ended it in one piece), continued (in pieces, then stopped), cut (ended on length: at the cap,
+    at --continue-to, or at a full context), failed, rejected at enqueue, and pending (queued, in
+    flight, retrying). None where the token counters cannot say (an older genq's run)."""
+    if t.length is None or t.continued is None:
+        return None
+    on_disk = c["done"] + c["extending"]
+    cut = t.length - c["extending"]  # a re-opened record ended on length, and is pending again
+    counts = {
+        "stopped": on_disk - t.length - t.continued,
+        "continued": t.continued,
+        "cut": cut,
+        "failed": c["failed"],
+        "rejected": c["rejected"],
+        "pending": c["queued"] + c["in_flight"] + c["retrying"],
+    }
+    if c["unaccounted"]:  # jobs in no state (genq verify says which): the sum stays exact
+        counts["unaccounted"] = c["unaccounted"]
+    return {**counts, "read": c["total"] + c["rejected"]}

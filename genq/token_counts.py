@@ -44,6 +44,10 @@ def add(pipe, keys: Keys, dataset: str, records: list[dict], now: float | None, 
     pipe.hincrby(key, "records", len(fresh))
     pipe.hincrby(key, "prompt_tokens", sum(r["prompt_tokens"] for r in fresh))
     pipe.hincrby(key, "completion_tokens", completion)
+    cached = [r["cached_tokens"] for r in fresh if type(r.get("cached_tokens")) is int]
+    if cached:  # the server said for these (SGLang always; vLLM with --enable-prompt-tokens-details)
+        pipe.hincrby(key, "cached_tokens", sum(cached))
+        pipe.hincrby(key, "cached_records", len(cached))
     cut = sum(1 for r in fresh if cut_short(r))
     if cut:
         pipe.hincrby(key, "cut", cut)
@@ -79,6 +83,8 @@ class Tokens:
     tokens_per_s: float | None  # recent, over WINDOW_S
     tokens_per_s_since_start: float | None
     cut: int | None = None  # records the server stopped below the max_new_tokens asked for
+    cached_tokens: int | None = None  # prompt tokens the server had cached, over ``cached_records``
+    cached_records: int | None = None  # records whose server said how many it had cached
     length: int | None = None  # records that ended on length (at the cap, continued or not)
     continued: int | None = None  # records continued in pieces whose model stopped
 
@@ -127,6 +133,8 @@ def read(
         tokens_per_s=recent,
         tokens_per_s_since_start=since_start,
         cut=int(fields.get("cut", 0)) if exact else None,
+        cached_tokens=int(fields.get("cached_tokens", 0)) if exact else None,
+        cached_records=int(fields.get("cached_records", 0)) if exact else None,
         length=_ledger(fields, "length", exact),
         continued=_ledger(fields, "continued", exact),
     )

@@ -15,6 +15,9 @@ the print of the rows enqueued from it before (producer/fingerprints.py), saved 
 from __future__ import annotations
 
 import logging
+import shlex
+import socket
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -26,11 +29,12 @@ from redis.client import Pipeline
 
 from genq import datasets, sources
 from genq.bitmaps import is_set, set_bits
+from genq.connection import redact
 from genq.conversation import first_turn
 from genq.keys import Keys
 from genq.queues import rq_queue
 from genq.redis_errors import Outage, patiently
-from genq.schema import ABANDON_REQUEUES, JobSpec, bit_index, record_id
+from genq.schema import ABANDON_REQUEUES, JobSpec, bit_index, now_iso, record_id
 from genq.sources import SourceError
 from genq.templates import ChatTemplate
 from producer import rq_jobs
@@ -416,6 +420,24 @@ class _Pusher:
         return self.keys.job_id(spec.id), spec.to_kwargs(), described
 
 
+def record_command(conn: redis.Redis, keys: Keys, dataset: str) -> None:
+    """The dataset's provenance: the command line that enqueued it last (URLs' passwords
+    redacted; secrets are never in argv), the host and the time."""
+    program = Path(sys.argv[0]).name
+    argv = ["genq" if program == "__main__.py" else program, *sys.argv[1:]]  # python -m genq: genq
+    command = shlex.join(map(_redacted, argv))
+    conn.hset(
+        keys.provenance(dataset),
+        mapping={"enqueue_command": command, "enqueue_host": socket.gethostname(), "enqueued_at": now_iso()},
+    )
+
+
+def _redacted(arg: str) -> str:
+    """An argument with the password of a URL in it (``URL`` or ``--flag=URL``) replaced."""
+    flag, eq, value = arg.partition("=") if arg.startswith("-") else ("", "", arg)
+    return flag + eq + (redact(value) if "://" in value else value)
+
+
 def enqueue_dataset(
     conn: redis.Redis,
     keys: Keys,
@@ -438,6 +460,7 @@ def enqueue_dataset(
     wanted = datasets.settings_for(dataset, paths, sampling_params, samples, options.prompting())
     register = lambda: datasets.register(conn, keys, wanted, replace=replace_settings)  # noqa: E731
     settings = patiently(register, Outage(log, conn, keys))  # HSETNX first: registering again changes nothing
+    patiently(lambda: record_command(conn, keys, dataset), Outage(log, conn, keys))
     if register_only:
         return Summary()
     expected = None

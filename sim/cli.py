@@ -126,6 +126,11 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
     is_flag=True,
     help="Each token a function of every id before it: an output made in pieces equals the one-shot one.",
 )
+@_option(
+    "--served-model-name",
+    default=model.MODEL_PATH,
+    help="The model id the server reports (SGLang's and vLLM's flag): two servers of two models.",
+)
 @_option("--latency", default="zero", type=click.Choice(["zero", "realistic"]), help="Latency model.")
 @_option("--decode-step-ms", default=20.0, type=click.FloatRange(0.0), help="One decode step, batch of 1.")
 @_option(
@@ -191,6 +196,7 @@ def sim_server(
     min_len: int,
     max_len: int,
     autoregressive: bool,
+    served_model_name: str,
     latency: str,
     decode_step_ms: float,
     batch_knee: float,
@@ -214,6 +220,7 @@ def sim_server(
 ) -> None:
     """Run a simulator of an inference server's HTTP API (no GPU needed): SGLang's /generate, vLLM's
     OpenAI-compatible server, or a hosted chat endpoint, with a latency model and faults."""
+    model.MODEL_PATH = served_model_name  # one server per process: what every endpoint reports
     try:
         faults = FaultRates(
             error_500=fail_500,

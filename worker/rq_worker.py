@@ -358,6 +358,10 @@ class Bookkeeper(BaseWorker):
             counts = pipe.execute()
         return int(counts[-1]) if counter is not None else 0
 
+    def announce(self, dataset: str, server: dict) -> None:
+        """Say which server (and what it is) answers ``dataset``'s jobs: its provenance."""
+        self.connection.hset(self.keys.servers(dataset), self.server, dumps(server))
+
     def turns_done(self, job_id: str) -> list[dict]:
         """A conversation's finished turns, from an earlier worker or this one."""
         raw = self.connection.hget(self.keys.turns, job_id)

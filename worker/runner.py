@@ -22,7 +22,7 @@ from genq.backends import Answer, Backend
 from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
 from genq.pieces import Progress
-from genq.schema import KIND_RECORD, JobSpec
+from genq.schema import KIND_RECORD, JobSpec, now_iso
 from genq.templates import ChatTemplate, TemplateError
 from worker import metrics, pieces
 from worker.attempts import Attempts, Tries
@@ -60,10 +60,12 @@ class JobRunner:
         self.finish = finish
         self._templates: dict[bytes, ChatTemplate] = {}  # chat templates of conversation datasets
         self._template_lock = asyncio.Lock()
+        self._announced: set[tuple[str, bytes]] = set()  # (dataset, server summary) said to Redis
 
     async def run(self, t: Taken) -> None:
         """Send until the job ends: a record, or an error for errors.jsonl."""
         backend = self._backend()
+        await self._announce(t.spec.dataset, backend)
         if t.spec.logprobs is not None and not backend.logprobs:
             why = f"the job asks for logprobs, which the {backend.name} backend cannot return"
             await self.attempts.fail(t, AttemptError("bad_request", why, cost=Cost.FATAL), 0)
@@ -191,6 +193,17 @@ class JobRunner:
                 extra=self.books.log_context(t),
             )
             return Progress()
+
+    async def _announce(self, dataset: str, backend: Backend) -> None:
+        """The dataset's provenance: what answers its jobs, said once per dataset and per server
+        identity (a server restarted with another model is said again)."""
+        summary = backend.info.summary() if backend.info is not None else {"backend": backend.name}
+        key = (dataset, orjson.dumps(summary, option=orjson.OPT_SORT_KEYS))
+        if key in self._announced:
+            return
+        self._announced.add(key)
+        said = {**summary, "worker": self.books.name, "at": now_iso()}
+        await self.redis(self.books.announce, dataset, said)
 
     async def _template(self, spec: JobSpec) -> ChatTemplate:
         """The dataset's chat template, loaded once per worker (transformers, offline), and only

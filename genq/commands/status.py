@@ -11,10 +11,10 @@ import redis
 from rq import Worker
 from rq.utils import utcparse
 
-from genq import datasets, entries, token_counts
+from genq import datasets, entries, provenance, token_counts
 from genq.clock import redis_time
 from genq.keys import Keys
-from genq.progress import STATES, dataset_counts, stream_lag, worker_names
+from genq.progress import STATES, dataset_counts, ledger, stream_lag, worker_names
 from genq.redis_errors import not_now, refusing_writes
 from genq.settings import DEFAULT_HEARTBEAT_TTL_S
 from genq.terminal import duration
@@ -120,28 +120,6 @@ def with_tokens(conn: redis.Redis, keys: Keys, counts: dict[str, dict[str, int]]
     return out
 
 
-def ledger(c: dict[str, int], t: token_counts.Tokens) -> dict[str, int] | None:
-    """Where every row read went, summing to ``read`` (rows x samples): stopped (the model
-    ended it in one piece), continued (in pieces, then stopped), cut (ended on length: at the cap,
-    at --continue-to, or at a full context), failed, rejected at enqueue, and pending (queued, in
-    flight, retrying). None where the token counters cannot say (an older genq's run)."""
-    if t.length is None or t.continued is None:
-        return None
-    on_disk = c["done"] + c["extending"]
-    cut = t.length - c["extending"]  # a re-opened record ended on length, and is pending again
-    counts = {
-        "stopped": on_disk - t.length - t.continued,
-        "continued": t.continued,
-        "cut": cut,
-        "failed": c["failed"],
-        "rejected": c["rejected"],
-        "pending": c["queued"] + c["in_flight"] + c["retrying"],
-    }
-    if c["unaccounted"]:  # jobs in no state (genq verify says which): the sum stays exact
-        counts["unaccounted"] = c["unaccounted"]
-    return {**counts, "read": c["total"] + c["rejected"]}
-
-
 def totals(per_dataset: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """All datasets together. ETA: the work left in tokens over the summed recent rate."""
     rows = list(per_dataset.values())
@@ -187,6 +165,7 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
         "warnings": [
             *_refusing_writes(conn),
             *warnings(datasets.load_all(conn, keys), alive),
+            *_models(conn, keys, list(per_dataset)),
             *filter(None, [probation_warning(suspects, passing_s)]),
             *_quarantined(keys, quarantined),
         ],
@@ -204,6 +183,16 @@ def warnings(settings: dict[str, datasets.DatasetSettings], alive: list[dict[str
                 "(SGLang without --enable-deterministic-inference): they are not reproducible"
             )
     return out
+
+
+def _models(conn: redis.Redis, keys: Keys, names: list[str]) -> list[str]:
+    """Datasets answered by servers of different models (genq/provenance.py)."""
+    with conn.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.hgetall(keys.servers(name))
+        served = pipe.execute()
+    pairs = zip(names, served, strict=True)
+    return [w for name, raw in pairs if (w := provenance.disagreement(name, provenance.servers(raw)))]
 
 
 def probation_warning(suspects: int, passing_s: float | None) -> str | None:

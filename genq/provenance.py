@@ -1,0 +1,121 @@
+"""A dataset's provenance: where its records came from, assembled from Redis as the run goes.
+
+The settings enqueue recorded (sampling sent, tokenizer and chat template fingerprints, think
+markers, sources), the last enqueue's command line (``ds:<name>:provenance``), every server that
+answered its jobs as the workers' probes read it (``ds:<name>:servers``: engine, version, model,
+context), the ledger and the token totals (the collector's counters, exactly the sums over the
+records on disk), and the genq version. The collector writes it beside the records
+(``OUT/<dataset>/provenance.json``) when it takes the dataset and every sweep, so it survives any
+restart; `genq export` puts it in the dataset card, `genq status` warns when two models answered.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from genq import __version__, datasets, progress, token_counts
+from genq.keys import Keys
+from genq.schema import dumps, loads, now_iso
+
+FILE = "provenance.json"
+SERVER_FIELDS = ("backend", "version", "model", "context_length", "worker", "at")
+
+
+def servers(raw: dict[bytes, bytes]) -> dict[str, dict[str, Any]]:
+    """The ``servers`` hash as read from Redis (untrusted): each server's known fields, those of
+    the type a worker writes; an entry that is not an object is left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for url, value in raw.items():
+        try:
+            data = loads(value)
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            kept = {k: data.get(k) for k in SERVER_FIELDS if isinstance(data.get(k), str | int)}
+            out[url.decode(errors="replace")] = kept
+    return dict(sorted(out.items()))
+
+
+def disagreement(name: str, served: dict[str, dict[str, Any]]) -> str | None:
+    """One line when the dataset's servers report more than one model: its records mix them."""
+    models: dict[str, list[str]] = {}
+    for url, info in served.items():
+        if info.get("model"):
+            models.setdefault(str(info["model"]), []).append(url)
+    if len(models) < 2:
+        return None
+    which = "; ".join(f"{model} ({', '.join(urls)})" for model, urls in sorted(models.items()))
+    return f"dataset {name}: answered by {len(models)} different models: {which}: its records mix them"
+
+
+def build(conn: redis.Redis, keys: Keys, name: str) -> dict[str, Any] | None:
+    """The provenance of dataset ``name``, or None when Redis does not know it."""
+    settings = datasets.load(conn, keys, name)
+    if settings is None:
+        return None
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.servers(name))
+        pipe.hgetall(keys.provenance(name))
+        pipe.hgetall(keys.tokens(name))
+        served_raw, enqueue_raw, tokens_raw = pipe.execute()
+    counts = progress.dataset_counts(conn, keys).get(name)
+    served = servers(served_raw)
+    warning = disagreement(name, served)
+    book = tokens = None
+    if counts is not None:
+        on_disk = counts["done"] + counts["extending"]
+        t = token_counts.read(tokens_raw, [], on_disk, False, 0.0)
+        book = progress.ledger(counts, t)
+        tokens = {
+            "records": t.records,
+            "prompt_tokens": t.prompt_tokens,
+            "completion_tokens": t.completion_tokens,
+            "cached_tokens": t.cached_tokens,
+            "cached_tokens_of_records": t.cached_records,
+        }
+    times = {k.decode(): v.decode() for k, v in tokens_raw.items() if k in (b"first_at", b"last_at")}
+    return {
+        "dataset": name,
+        "genq_version": __version__,
+        "settings": asdict(settings),
+        "enqueue": {k.decode(): v.decode(errors="replace") for k, v in sorted(enqueue_raw.items())},
+        "servers": served,
+        "models": sorted({str(s["model"]) for s in served.values() if s.get("model")}),
+        "warnings": [warning] if warning else [],
+        "ledger": book,
+        "tokens": tokens,
+        "first_record_at": _iso(times.get("first_at")),
+        "last_record_at": _iso(times.get("last_at")),
+        "updated_at": now_iso(),
+    }
+
+
+def _iso(epoch: str | None) -> str | None:
+    """Redis-clock epoch seconds (the counters') as an ISO time."""
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(epoch))) if epoch else None
+    except ValueError:
+        return None
+
+
+def write(folder: Path, data: dict[str, Any]) -> None:
+    """``folder/provenance.json``, replaced whole."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / (FILE + ".part")
+    tmp.write_bytes(dumps(data) + b"\n")
+    os.replace(tmp, folder / FILE)
+
+
+def read(folder: Path) -> dict[str, Any] | None:
+    """``folder/provenance.json`` (the dataset card's source), or None: none, or not an object."""
+    try:
+        data = loads((folder / FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

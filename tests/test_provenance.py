@@ -1,0 +1,59 @@
+"""Every dataset says where it came from (genq/provenance.py): the servers and models that answered
+it, the settings and the command that enqueued it, its ledger and token totals, written by the
+collector beside the records and rewritten after any restart."""
+
+from __future__ import annotations
+
+import orjson
+
+from genq import __version__
+from tests.helpers import log_of, read_jsonl, status_json, write_prompts
+
+
+def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums(
+    procs, start_sim, out, tmp_path
+):
+    prompts = write_prompts(tmp_path / "prov.jsonl", 60)
+    # Both slow enough that each worker takes a share of the jobs.
+    one = start_sim("--served-model-name", "org/model-a", "--latency", "realistic")
+    two = start_sim("--served-model-name", "org/model-b", "--latency", "realistic")
+    enq = procs.run("enqueue", tmp_path / "prov.jsonl", "--max-new-tokens", "64", "--temperature", "0.5")
+    assert enq.returncode == 0, enq.stderr
+    workers = [procs.start("worker", "--server", url, "--burst", "--concurrency", "4") for url in (one, two)]
+    assert [w.wait(120) for w in workers] == [0, 0], [log_of(w) for w in workers]
+    collector = procs.start("collect", "--out", out, "--burst")
+    assert collector.wait(120) == 0, log_of(collector)
+    assert "answered by 2 different models" in log_of(collector)
+    status = status_json(procs)
+    assert any("prov: answered by 2 different models: org/model-a" in w for w in status["warnings"]), status
+
+    data = orjson.loads((out / "prov" / "provenance.json").read_bytes())
+    assert data["genq_version"] == __version__ and data["dataset"] == "prov"
+    assert data["models"] == ["org/model-a", "org/model-b"]
+    assert set(data["servers"]) == {one, two}
+    assert {s["backend"] for s in data["servers"].values()} == {"sglang"}
+    assert all(s["version"] and s["worker"] for s in data["servers"].values())
+    assert data["settings"]["sampling_params"]["temperature"] == 0.5
+    assert data["settings"]["sampling_params"]["max_new_tokens"] == 64
+    command = data["enqueue"]["enqueue_command"]
+    assert command.startswith("genq enqueue ") and "prov.jsonl --max-new-tokens 64" in command, command
+    records = read_jsonl(out / "prov" / "raw_responses.jsonl")
+    assert {r["server"] for r in records} == {one, two}
+    tokens = data["tokens"]
+    assert tokens["records"] == len(records) == len(prompts)
+    assert tokens["prompt_tokens"] == sum(r["prompt_tokens"] for r in records)
+    assert tokens["completion_tokens"] == sum(r["completion_tokens"] for r in records)
+    cached = [r["cached_tokens"] for r in records if r["cached_tokens"] is not None]
+    assert (tokens["cached_tokens"], tokens["cached_tokens_of_records"]) == (sum(cached), len(cached))
+    book = data["ledger"]
+    assert book["read"] == len(prompts) and book["pending"] == 0
+    assert book["cut"] == sum(1 for r in records if r["finish_reason"] == "length")
+    assert data["first_record_at"] and data["last_record_at"]
+
+    # Gone with the disk's folder, or never written: the next collector writes it again from Redis.
+    (out / "prov" / "provenance.json").unlink()
+    assert procs.run("collect", "--out", out, "--burst").returncode == 0
+    again = orjson.loads((out / "prov" / "provenance.json").read_bytes())
+    assert {k: v for k, v in again.items() if k != "updated_at"} == {
+        k: v for k, v in data.items() if k != "updated_at"
+    }
