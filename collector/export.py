@@ -36,7 +36,8 @@ from typing import Any
 import click
 import orjson
 
-from collector import parquet
+from collector import card, parquet
+from collector.stats import percentiles
 from genq import datasets, openai_batch
 from genq.schema import ERRORS, EXPORTS, RAW
 from genq.settings import Refused, option
@@ -51,6 +52,7 @@ class Exported:
     written: int = 0
     rendered: int = 0  # text records turned into ids with --tokenizer
     files: list[Path] = field(default_factory=list)  # what was written: one JSONL file, or Parquet shards
+    lengths: list[int] = field(default_factory=list)  # completion tokens of the records exported
     skipped: Counter[str] = field(default_factory=Counter)
 
 
@@ -127,6 +129,7 @@ def _rows(
                 result.skipped["not a genq record (parquet holds genq's records)"] += 1
                 continue
             result.written += 1
+            _note_length(result, record)
             yield parquet.record_row(record)
         return
     for record in _records(raw):
@@ -156,7 +159,13 @@ def _rows(
         if record.get("source_id") is not None:
             row["source_id"] = record["source_id"]  # the user's own id of the row
         result.written += 1
+        _note_length(result, record)
         yield row
+
+
+def _note_length(result: Exported, record: dict[str, Any]) -> None:
+    if type(record.get("completion_tokens")) is int:
+        result.lengths.append(record["completion_tokens"])
 
 
 def _batch_lines(raw: Path, reasoning_content: bool) -> Iterator[dict[str, Any]]:
@@ -407,6 +416,14 @@ def recorded_template(folder: Path, trust_remote_code: bool = False) -> ChatTemp
     show_default=True,
     help="Parquet: the size of a shard, in MB of Arrow data.",
 )
+@option(
+    "--license",
+    "license_id",
+    env="GENQ_EXPORT_LICENSE",
+    default="other",
+    show_default=True,
+    help="The license the dataset card (README.md) names, as the Hub spells it (e.g. apache-2.0).",
+)
 @option("--reasoning-content", is_flag=True, help="Keep the reasoning as the answer's reasoning_content.")
 @option("--include-truncated", is_flag=True, help="Also export outputs cut by max_new_tokens.")
 @option(
@@ -429,6 +446,7 @@ def export_command(
     dataset: str | None,
     parquet_rows: bool,
     shard_mb: float,
+    license_id: str,
     reasoning_content: bool,
     include_truncated: bool,
     tokenizer: str | None,
@@ -482,6 +500,10 @@ def export_command(
         )
         shards = f" ({len(result.files)} shards: {result.files[0].name}...)" if len(result.files) > 1 else ""
         click.echo(f"{name}: wrote {result.written} to {result.files[0]}{shards}")
+        config = f"{fmt}-parquet" if parquet_rows else fmt
+        lengths = percentiles(result.lengths)
+        text = card.render(name, folder, result.files[0].parent, config, result.written, license_id, lengths)
+        click.echo(f"{name}: its dataset card: {card.write(result.files[0].parent, text)}")
         used = template() if result.rendered else None
         if used is not None:
             whose = "" if given else " (the dataset's, recorded at enqueue)"

@@ -5,6 +5,7 @@ collector beside the records and rewritten after any restart."""
 from __future__ import annotations
 
 import orjson
+import pytest
 
 from genq import __version__
 from tests.helpers import log_of, read_jsonl, status_json, write_prompts
@@ -57,3 +58,19 @@ def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums
     assert {k: v for k, v in again.items() if k != "updated_at"} == {
         k: v for k, v in data.items() if k != "updated_at"
     }
+
+    # The dataset card of the exports: YAML the Hub's DatasetCard reads, then the provenance.
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    res = procs.run("export", out, "--format", "eagle3", "--include-truncated", "--license", "apache-2.0")
+    assert res.returncode == 0 and "its dataset card:" in res.stdout, res.stderr
+    assert procs.run("export", out, "--format", "parquet", "--license", "apache-2.0").returncode == 0
+    card = huggingface_hub.DatasetCard.load(out / "prov" / "README.md")
+    assert card.data.license == "apache-2.0" and card.data.pretty_name == "prov"
+    assert card.data.task_categories == ["text-generation"] and card.data.size_categories == ["n<1K"]
+    configs = {c["config_name"]: c for c in card.data.configs}
+    assert configs["eagle3"]["data_files"] == [{"split": "train", "path": "tokenized_data.jsonl"}]
+    assert configs["parquet"]["data_files"][0]["path"] == "records-*-of-*.parquet"
+    assert configs["parquet"].get("default") and not configs["eagle3"].get("default"), "the last export"
+    for shown in ("org/model-a", "org/model-b", "0.1.0", "genq enqueue", "| stopped | continued | cut |"):
+        assert shown in card.text, shown
+    assert f"{data['tokens']['completion_tokens']:,}" in card.text
