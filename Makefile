@@ -16,9 +16,10 @@ $(BIN)/genq: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
-# Runs the example dataset end to end: private Redis, the simulated SGLang server, 2 workers.
+# Runs the example dataset end to end: private Redis, the simulated vLLM server (text prompts in,
+# prompt and output token ids out: `genq export out --format eagle3` has its training rows), 2 workers.
 demo: $(BIN)/genq
-	$(BIN)/genq run examples/prompts.jsonl --out out --simulate
+	$(BIN)/genq run examples/prompts.jsonl --out out --simulate --backend vllm
 
 # llama.cpp's server for the real-engine tests, built once (~8 min on 2 cores) and cached outside
 # the clone. Without cmake and g++ the real-engine tests skip (in CI, where .ci/run installs them, they fail).

@@ -38,6 +38,7 @@ from tests.helpers import (
     wait_for_records,
     wait_until,
     write_ids,
+    write_jsonl,
 )
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.vllm]
@@ -150,6 +151,23 @@ def test_outputs_in_pieces_equal_one_request(procs, vllm, out, tmp_path, report)
     one_shot = completions(vllm.url, prompts, max_tokens=UPTO)
     texts = [c["text"] for c in one_shot]
     check_pieced_outputs(records, [c["token_ids"] for c in one_shot], "vLLM", report, texts)
+
+
+def test_text_prompts_come_back_with_the_servers_prompt_ids(procs, vllm, out, tmp_path):
+    """A plain text row on /v1/completions: vLLM tokenizes it and echoes the ids; the record keeps
+    them, and they are the prompt whose greedy output the record holds."""
+    data = write_jsonl(
+        tmp_path / "text.jsonl", [{"prompt": f"row {i}: tell me about the sea"} for i in range(6)]
+    )
+    res = procs.run(
+        "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--server", vllm.url
+    )
+    assert res.returncode == 0, res.stderr
+    run_burst(procs, out, vllm.url, ("--concurrency", "4"))
+    records = sorted(read_jsonl(out / "text" / "raw_responses.jsonl"), key=lambda r: r["row"])
+    assert len(records) == 6 and all(r["prompt_tokens"] == len(r["input_ids"]) for r in records)
+    direct = completions(vllm.url, [r["input_ids"] for r in records])
+    assert [r["output_ids"] for r in records] == [c["token_ids"] for c in direct]
 
 
 def test_the_chat_backend_through_chat_completions(procs, vllm, out, tmp_path):

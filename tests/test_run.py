@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import orjson
 import pytest
@@ -35,6 +36,8 @@ def _run(data, out, *extra):
         stderr=subprocess.PIPE,
     )
 
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # `genq run`'s progress line (not a tty: printed at its first look, then every 5 s and at the end).
 PROGRESS = re.compile(r"\] (\d+)/(\d+) on disk \((\d+) failed\), (\d+) in flight, (\d+) queued")
@@ -297,3 +300,29 @@ def test_progress_in_a_log_has_rates_and_eta_and_the_end_says_what_next(tmp_path
     rated = [line for line in stderr.splitlines() if PROGRESS.search(line) and " tok/s, ETA " in line]
     assert rated, stderr[-3000:]
     assert re.search(r"wall time \d.*, [\d,]+ completion tokens\. Next: genq stats ", stdout), stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_the_demo_exports_eagle3_training_rows(tmp_path, monkeypatch):
+    """README's first command, as the Makefile runs it, then `genq export --format eagle3`: the 200
+    example prompts give 200 training rows (the simulated vLLM answers with the prompt's ids), and
+    a dataset card beside them."""
+    monkeypatch.delenv("GENQ_REDIS_URL", raising=False)
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^demo:.*\n\t\$\(BIN\)/genq (.+)$", makefile, re.M)
+    assert recipe, "the Makefile's demo target runs genq"
+    argv = [a if a != "out" else str(tmp_path / "out") for a in recipe.group(1).split()]
+    argv = [a if a != "examples/prompts.jsonl" else str(ROOT / a) for a in argv]
+    res = subprocess.run([sys.executable, "-m", "genq", *argv], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    export = subprocess.run(
+        [sys.executable, "-m", "genq", "export", str(tmp_path / "out"), "--format", "eagle3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert export.returncode == 0, export.stderr
+    rows = read_jsonl(tmp_path / "out" / "prompts" / "tokenized_data.jsonl")
+    assert len(rows) == 200 and all(0 < r["loss_mask"].index(1) < len(r["input_ids"]) for r in rows)
+    assert (tmp_path / "out" / "prompts" / "README.md").read_text().startswith("---\n")

@@ -35,22 +35,24 @@ PARAMS = {"max_new_tokens": 32}
 def _garbage(real: dict[bytes, bytes]) -> list[tuple[str, dict]]:
     """Entries a worker never writes, each with words genq's reason for it must hold."""
     data = orjson.loads(real[b"data"])
+    rid = data["id"].encode()  # whichever record reached the stream first
+    other = f"good-{(data['row'] + 1) % 30}"
 
     def entry(**changed) -> dict:
-        return {"kind": b"record", "id": b"good-0", "data": orjson.dumps({**data, **changed})}
+        return {"kind": b"record", "id": rid, "data": orjson.dumps({**data, **changed})}
 
     return [
         ("no field 'data'", {"kind": b"record"}),
-        ("field 'kind' is None", {"id": b"good-0", "data": real[b"data"]}),
+        ("field 'kind' is None", {"id": rid, "data": real[b"data"]}),
         ("field 'kind' is 'weird'", {**real, b"kind": b"weird"}),
-        ("field 'data' is not JSON", {"kind": b"record", "id": b"good-0", "data": b"not json"}),
-        ("field 'data' is not JSON", {"kind": b"record", "id": b"good-0", "data": b"x" * (10 << 20)}),
-        ("is a JSON list", {"kind": b"record", "id": b"good-0", "data": b"[1, 2]"}),
-        ("data field 'row' is None", {"kind": b"record", "id": b"good-0", "data": b'{"id": "good-0"}'}),
+        ("field 'data' is not JSON", {"kind": b"record", "id": rid, "data": b"not json"}),
+        ("field 'data' is not JSON", {"kind": b"record", "id": rid, "data": b"x" * (10 << 20)}),
+        ("is a JSON list", {"kind": b"record", "id": rid, "data": b"[1, 2]"}),
+        ("data field 'row' is None", {"kind": b"record", "id": rid, "data": b'{"id": "' + rid + b'"}'}),
         ("data field 'row' is '3'", entry(row="3")),
         ("data field 'row' is -5", entry(row=-5)),
         ("past the last job", entry(row=1 << 40)),
-        ("not both 'good-0'", entry(id="good-1")),
+        (f"not both {data['id']!r}", entry(id=other)),
         ("no job of id 'good-1000000' was ever enqueued", {
             "kind": b"record", "id": b"good-1000000",
             "data": orjson.dumps({**data, "row": 1_000_000, "id": "good-1000000"}),

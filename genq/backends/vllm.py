@@ -3,8 +3,9 @@
 Facts from vLLM 0.33's source (paths under ``vllm/``):
 
 - ``entrypoints/openai/completion/protocol.py``: ``prompt`` as a flat list of ints is one prompt,
-  taken as is (no BOS added); ``return_token_ids`` (0.10.2 on) puts the output ids in
-  ``choices[0].token_ids``, the EOS or stop token kept, and echoes ``prompt_token_ids``;
+  taken as is (no BOS added); a string is tokenized by the server (its BOS added);
+  ``return_token_ids`` (0.10.2 on) puts the output ids in ``choices[0].token_ids``, the EOS or
+  stop token kept, and echoes ``prompt_token_ids`` (a text prompt's: the record keeps them);
   ``max_tokens`` defaults to 16; unknown fields are dropped silently.
 - ``config/model.py`` get_diff_sampling_param: omitted sampling fields come from the model's
   generation_config: genq sends every one (genq/backends/openai_compat.py).
@@ -84,16 +85,17 @@ class VLLM(Backend):
         return self.info
 
     def body(self, spec: JobSpec) -> dict[str, Any]:
-        if spec.input_ids is None:
+        prompt: list[int] | str | None = spec.input_ids if spec.input_ids is not None else spec.text
+        if prompt is None:
             raise AttemptError(
                 "bad_request",
-                "the vllm backend sends token ids: this job has none (enqueue it with --tokenizer, or use "
-                "--backend openai-chat)",
+                "the vllm backend sends token ids or a plain text prompt: this job has a conversation "
+                "(enqueue it with --tokenizer, or use --backend openai-chat)",
                 cost=Cost.FATAL,
             )
         return {
             "model": self.model,
-            "prompt": spec.input_ids,
+            "prompt": prompt,
             **oai.map_sampling(spec.sampling_params, extras=True, explicit=True),
             "max_tokens": spec.max_new_tokens,
             "n": 1,
@@ -175,8 +177,10 @@ def answer(data: Any, spec: JobSpec) -> Answer:
     if not isinstance(output_ids, list):
         raise AttemptError("bad_response", "response has no choices[0].token_ids")
     echoed = choice.get("prompt_token_ids")
-    if echoed is not None and echoed != spec.input_ids:
+    if echoed is not None and spec.input_ids is not None and echoed != spec.input_ids:
         raise AttemptError("bad_response", "prompt_token_ids echoed differ from the prompt sent")
+    if spec.input_ids is None and not (isinstance(echoed, list) and all(type(i) is int for i in echoed)):
+        raise AttemptError("bad_response", "a text prompt's answer has no choices[0].prompt_token_ids")
     prompt_tokens, completion_tokens, cached = oai.usage_counts(data)
     asked = spec.max_new_tokens
     cut = len(output_ids) if reason == "length" and len(output_ids) < asked else None
@@ -190,6 +194,7 @@ def answer(data: Any, spec: JobSpec) -> Answer:
         cached_tokens=cached,
         finish_length=cut if cut is not None else (asked if reason == "length" else None),
         logprobs=_logprobs(choice.get("logprobs"), output_ids, spec.logprobs) if spec.logprobs else None,
+        prompt_ids=echoed if spec.input_ids is None else None,  # a text prompt: the server's own ids
     )
 
 
