@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
@@ -110,6 +111,8 @@ def collect_command(
         sys.exit(3)
     finally:
         collector.close()
+    with contextlib.suppress(redis.RedisError, OSError):  # once, as it stops: never a reason to wait
+        collector.write_provenance()
     Loop(collector, [], give_up_after).call(collector.release_leases)
     aside = f"; set aside: {', '.join(sorted(collector.set_aside))}" if collector.set_aside else ""
     log.info(
