@@ -74,3 +74,13 @@ def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums
     for shown in ("org/model-a", "org/model-b", "0.1.0", "genq enqueue", "| stopped | continued | cut |"):
         assert shown in card.text, shown
     assert f"{data['tokens']['completion_tokens']:,}" in card.text
+
+    # genq push: the card and the exports, one commit; --dry-run builds it and sends nothing.
+    env = {"HF_TOKEN": "hf_not_a_real_token_123", "HF_HUB_OFFLINE": "1"}
+    res = procs.run("push", "someone/prov-data", "--out", out, "--dry-run", env=env)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("README.md: ") and "tokenized_data.jsonl: " in res.stdout
+    assert any(line.startswith("records-00000-of-") for line in lines)
+    assert "raw_responses" not in res.stdout and "hf_not_a_real_token" not in res.stdout + res.stderr
+    assert lines[-1] == f"dry run: {len(lines) - 1} files for someone/prov-data, nothing uploaded"

@@ -29,6 +29,7 @@ ROLES = {
     "verify": "genq.commands.verify.verify_command",
     "sim-server": "sim.cli.sim_server",
     "slurm": "genq.commands.slurm.slurm_command",
+    "push": "genq.commands.push.push_command",
 }
 
 
