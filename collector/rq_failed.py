@@ -62,17 +62,18 @@ def errors(
 def _error_of_failed(
     conn: redis.Redis, keys: Keys, job_id: str, rid: str, name: str, row: int, sample: int
 ) -> dict:
-    exc_string = source_id = None
+    exc_string = source_id = extends = None
     try:
         job = GenqJob.fetch(job_id, connection=conn, serializer="json")
         source_id = (job.kwargs or {}).get("source_id")
+        extends = (job.kwargs or {}).get("extends")
         result = job.latest_result()
         exc_string = result.exc_string if result is not None else None
     except Exception as exc:  # noqa: BLE001 - the reason is a nicety; the error line is not
         log.debug("job %s: could not read its failure (%s)", job_id, exc)
     error, message = reason_of(exc_string)
     attempts = conn.hget(keys.attempts, job_id)
-    return error_record(
+    error = error_record(
         id=rid,
         dataset=name,
         row=row,
@@ -83,3 +84,6 @@ def _error_of_failed(
         status=None,
         attempts=int(attempts) if attempts is not None else None,
     )
+    if type(extends) is int:  # a re-opened record's extension: the collector keeps the record
+        error["extends"] = extends
+    return error

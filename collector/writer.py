@@ -434,7 +434,6 @@ class Collector:
                 get_bits(pipe, self.keys.done(name), indexes)
                 get_bits(pipe, self.keys.failed(name), indexes)
                 get_bits(pipe, self.keys.enqueued(name), indexes)
-                get_bits(pipe, self.keys.extending(name), indexes)
             pipe.hmget(self.keys.collector_offsets, list(synced))
             pipe.time()  # Redis's clock, for the token rate (genq/token_counts.py)
             *replies, stored, (sec, usec) = pipe.execute()
@@ -445,14 +444,31 @@ class Collector:
         if not behind:
             per_dataset = iter(replies)
             for name, indexes in by_dataset.items():
-                done_bits, failed_bits, ever_bits, extending = (next(per_dataset) for _ in range(4))
-                for index, done, failed, ever, ext in zip(
-                    indexes, done_bits, failed_bits, ever_bits, extending, strict=True
-                ):
-                    bits[name, index] = (done, failed, ext)
+                done_bits, failed_bits, ever_bits = next(per_dataset), next(per_dataset), next(per_dataset)
+                for index, done, failed, ever in zip(indexes, done_bits, failed_bits, ever_bits, strict=True):
+                    bits[name, index] = (done, failed, 0)
                     if ever:
                         enqueued.add((name, index))
+            self._read_extending(bits)
         return _Read(bits, enqueued, sec + usec / 1e6, behind)
+
+    def _read_extending(self, bits: dict[tuple[str, int], tuple[int, int, int]]) -> None:
+        """The extending bits of the batch's ids already on disk (re-opened by ``genq retry
+        --truncated``, or duplicates): read only when there are any, one more round trip then."""
+        on_disk: dict[str, list[int]] = {}
+        for (name, index), (done, _, _) in bits.items():
+            if done:
+                on_disk.setdefault(name, []).append(index)
+        if not on_disk:
+            return
+        with self.conn.pipeline(transaction=False) as pipe:
+            for name, indexes in on_disk.items():
+                get_bits(pipe, self.keys.extending(name), indexes)
+            replies = pipe.execute()
+        for (name, indexes), extending in zip(on_disk.items(), replies, strict=True):
+            for index, ext in zip(indexes, extending, strict=True):
+                done, failed, _ = bits[name, index]
+                bits[name, index] = (done, failed, ext)
 
     def _append(
         self,
@@ -475,7 +491,7 @@ class Collector:
                 if (name, index) in seen:
                     duplicates += 1
                     continue
-                extension = done and extending and (item.kind == KIND_ERROR or extends(item.data) is not None)
+                extension = done and extending and extends(item.data) is not None
                 if extension:
                     seen.add((name, index))
                     extended.setdefault(name, []).append(index)

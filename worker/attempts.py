@@ -346,6 +346,8 @@ class Attempts:
         )
         if turn is not None:
             error["turn"] = turn[0] + 1
+        if t.spec.extends is not None:  # an extension's ending: its record on disk stands
+            error["extends"] = t.spec.extends
         self._finish(t)
         await self.commits.finish(Finished(t, KIND_ERROR, error))
         metrics.finished(t.spec.dataset, None)
