@@ -101,6 +101,9 @@ def _ledger(prov: dict[str, Any]) -> list[str]:
     for table in (book, tokens):
         if table:
             out += _table(table)
+    failed = prov.get("failed_by_class")
+    if failed:
+        out += ["Failed, by error class: " + ", ".join(f"{cls} {n:,}" for cls, n in failed.items()), ""]
     return out if len(out) > 2 else [*out, "Not recorded."]
 
 

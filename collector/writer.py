@@ -188,7 +188,7 @@ class Collector:
         """Each held dataset's provenance beside its records (genq/provenance.py), its warnings
         (two models answering it) logged once. A disk that refuses it is said, never a stop."""
         for name in list(self.held):
-            data = provenance.build(self.conn, self.keys, name)
+            data = provenance.build(self.conn, self.keys, name, self.out / name / ERRORS)
             if data is None:
                 continue
             for warning in data["warnings"]:

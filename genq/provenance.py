@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,9 @@ from typing import Any
 import redis
 
 from genq import __version__, datasets, progress, token_counts
+from genq.bitmaps import is_set
 from genq.keys import Keys
-from genq.schema import dumps, loads, now_iso
+from genq.schema import bit_index, dumps, loads, now_iso
 
 FILE = "provenance.json"
 SERVER_FIELDS = ("backend", "version", "model", "context_length", "worker", "at")
@@ -54,8 +56,30 @@ def disagreement(name: str, served: dict[str, dict[str, Any]]) -> str | None:
     return f"dataset {name}: answered by {len(models)} different models: {which}: its records mix them"
 
 
-def build(conn: redis.Redis, keys: Keys, name: str) -> dict[str, Any] | None:
-    """The provenance of dataset ``name``, or None when Redis does not know it."""
+def failed_by_class(errors: Path, failed: bytes, samples: int) -> dict[str, int]:
+    """The dataset's failures by error class, from its errors.jsonl: each id's last error, of the
+    ids still failed (the ``failed`` bitmap: a record written after a retry beats its error)."""
+    last: dict[int, str] = {}
+    try:
+        with errors.open("rb") as fh:
+            for line in fh:
+                try:
+                    error = loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(error, dict):
+                    continue
+                row, sample = error.get("row"), error.get("sample")
+                if type(row) is int and type(sample) is int:
+                    last[bit_index(row, sample, samples)] = str(error.get("error") or "unknown")
+    except OSError:
+        return {}
+    return dict(Counter(cls for index, cls in last.items() if is_set(failed, index)).most_common())
+
+
+def build(conn: redis.Redis, keys: Keys, name: str, errors: Path | None = None) -> dict[str, Any] | None:
+    """The provenance of dataset ``name``, or None when Redis does not know it; with ``errors``
+    (its errors.jsonl) the failures by class."""
     settings = datasets.load(conn, keys, name)
     if settings is None:
         return None
@@ -89,6 +113,9 @@ def build(conn: redis.Redis, keys: Keys, name: str) -> dict[str, Any] | None:
         "models": sorted({str(s["model"]) for s in served.values() if s.get("model")}),
         "warnings": [warning] if warning else [],
         "ledger": book,
+        "failed_by_class": failed_by_class(errors, conn.get(keys.failed(name)) or b"", settings.samples)
+        if errors is not None
+        else None,
         "tokens": tokens,
         "first_record_at": _iso(times.get("first_at")),
         "last_record_at": _iso(times.get("last_at")),

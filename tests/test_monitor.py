@@ -8,6 +8,8 @@ import select
 import signal
 import subprocess
 
+import orjson
+
 from genq.commands.embedded import free_port
 from tests.helpers import (
     genq_argv,
@@ -70,6 +72,9 @@ def test_monitor_frame_of_a_run_fits_80_columns_and_agrees_with_status(procs, st
     for proc in (worker, collector):
         proc.terminate()
         assert proc.wait(60) == 0, log_of(proc)
+    # Written as the collector stopped: the failure by its class, the ledger as the monitor showed it.
+    prov = orjson.loads((out / "big" / "provenance.json").read_bytes())
+    assert prov["failed_by_class"] == {"bad_request": 1} and prov["ledger"]["failed"] == 1, prov
 
 
 def test_monitor_says_redis_is_unreachable_and_quits_cleanly_on_ctrl_c(procs):
