@@ -119,9 +119,7 @@ def test_outputs_in_pieces_equal_one_request(procs, sglang, out, tmp_path, repor
     records = sorted(read_jsonl(out / "pieced" / "raw_responses.jsonl"), key=lambda r: r["row"])
     one_shot = sglang_direct(sglang.url, prompts, {"max_new_tokens": UPTO, "temperature": 0.0})
     texts = [a["text"] for a in one_shot]
-    check_pieced_outputs(
-        records, [a["output_ids"] for a in one_shot], "SGLang", report, texts, exact_text=True
-    )
+    check_pieced_outputs(records, [a["output_ids"] for a in one_shot], "SGLang", report, texts)
 
 
 @pytest.mark.timeout(600)

@@ -174,6 +174,11 @@ def test_a_genq_run_on_slurm_survives_drains_cancels_requeues_and_time_limits(
     def start_now(job: str) -> None:
         """A requeued job waits 121 s (BeginTime) before it may start again; start it now."""
         wait_until(lambda: state(job) == "PENDING", 60, f"{job} pending again", interval=0.3)
+        # slurmd revoked the last life's credential as it killed it, and refuses a credential made
+        # in the same second ("Job credential revoked", the job FAILED: src/common/slurm_cred.c
+        # compares whole seconds): started again within that second, the job fails for good.
+        pending_at = int(time.time())
+        wait_until(lambda: int(time.time()) > pending_at, 2, "the next second", interval=0.05)
         cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
         # The scheduler passes every 2 s here (tests/slurm_cluster.py); the node may still be
         # completing the job's last life (the server's process group stopping).
