@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -256,6 +257,10 @@ def dumps(obj: Any) -> bytes:
 
 def loads(data: bytes | str) -> Any:
     return orjson.loads(data)
+
+
+# genq writes a record's id first (build_record, error_record): read off a line without a JSON parse.
+ID_AT_START = re.compile(rb'^\{"id":"([^"]+)"')
 
 
 def parse_record_id(rid: str, dataset: str, samples: int) -> tuple[int, int] | None:

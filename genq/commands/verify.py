@@ -11,7 +11,6 @@ pass over each file, and the queues read in bulk — never a round trip per job.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +27,9 @@ from genq.connection import connect, redact
 from genq.entries import BadEntry, quarantined, read_entry
 from genq.keys import Keys
 from genq.queues import rq_queue
-from genq.schema import ERRORS, RAW, bit_index, extends, parse_record_id
+from genq.schema import ERRORS, ID_AT_START, RAW, bit_index, extends, parse_record_id
 from genq.settings import option, redis_options
 
-ID_AT_START = re.compile(rb'^\{"id":"([^"]+)"')  # genq writes the id first: no JSON parse needed
 EXTENDS_KEY = b'"extends":'
 EXAMPLES = 10
 
