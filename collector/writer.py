@@ -27,7 +27,7 @@ from collector.files import Appender, Foreign, Unreadable
 from collector.leases import Leases
 from collector.reconcile import Reconciler
 from genq import datasets as datasets_mod
-from genq import provenance, token_counts
+from genq import progress, provenance, token_counts
 from genq.bitmaps import get_bits, set_bits
 from genq.entries import BadEntry, quarantine, read_entry
 from genq.keys import Keys
@@ -187,8 +187,9 @@ class Collector:
     def write_provenance(self) -> None:
         """Each held dataset's provenance beside its records (genq/provenance.py), its warnings
         (two models answering it) logged once. A disk that refuses it is said, never a stop."""
+        counts = progress.dataset_counts(self.conn, self.keys)  # every dataset's, in one round trip
         for name in list(self.held):
-            data = provenance.build(self.conn, self.keys, name, self.out / name / ERRORS)
+            data = provenance.build(self.conn, self.keys, name, self.out / name / ERRORS, counts)
             if data is None:
                 continue
             for warning in data["warnings"]:

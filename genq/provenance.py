@@ -77,9 +77,16 @@ def failed_by_class(errors: Path, failed: bytes, samples: int) -> dict[str, int]
     return dict(Counter(cls for index, cls in last.items() if is_set(failed, index)).most_common())
 
 
-def build(conn: redis.Redis, keys: Keys, name: str, errors: Path | None = None) -> dict[str, Any] | None:
+def build(
+    conn: redis.Redis,
+    keys: Keys,
+    name: str,
+    errors: Path | None = None,
+    counts: dict[str, dict[str, int]] | None = None,
+) -> dict[str, Any] | None:
     """The provenance of dataset ``name``, or None when Redis does not know it; with ``errors``
-    (its errors.jsonl) the failures by class."""
+    (its errors.jsonl) the failures by class. ``counts``: genq/progress.py ``dataset_counts``,
+    when the caller read them for several datasets at once."""
     settings = datasets.load(conn, keys, name)
     if settings is None:
         return None
@@ -88,14 +95,15 @@ def build(conn: redis.Redis, keys: Keys, name: str, errors: Path | None = None) 
         pipe.hgetall(keys.provenance(name))
         pipe.hgetall(keys.tokens(name))
         served_raw, enqueue_raw, tokens_raw = pipe.execute()
-    counts = progress.dataset_counts(conn, keys).get(name)
+    every = counts if counts is not None else progress.dataset_counts(conn, keys)
+    mine = every.get(name)
     served = servers(served_raw)
     warning = disagreement(name, served)
     book = tokens = None
-    if counts is not None:
-        on_disk = counts["done"] + counts["extending"]
+    if mine is not None:
+        on_disk = mine["done"] + mine["extending"]
         t = token_counts.read(tokens_raw, [], on_disk, False, 0.0)
-        book = progress.ledger(counts, t)
+        book = progress.ledger(mine, t)
         tokens = {
             "records": t.records,
             "prompt_tokens": t.prompt_tokens,

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from genq import conversation, datasets, logprobs
-from genq.backends import Answer, Backend
+from genq.backends import Answer, Backend, ServerInfo
 from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
 from genq.pieces import Progress
@@ -60,7 +60,7 @@ class JobRunner:
         self.finish = finish
         self._templates: dict[bytes, ChatTemplate] = {}  # chat templates of conversation datasets
         self._template_lock = asyncio.Lock()
-        self._announced: set[tuple[str, bytes]] = set()  # (dataset, server summary) said to Redis
+        self._announced: dict[str, ServerInfo | None] = {}  # dataset -> the probe's facts said to Redis
 
     async def run(self, t: Taken) -> None:
         """Send until the job ends: a record, or an error for errors.jsonl."""
@@ -196,12 +196,12 @@ class JobRunner:
 
     async def _announce(self, dataset: str, backend: Backend) -> None:
         """The dataset's provenance: what answers its jobs, said once per dataset and per server
-        identity (a server restarted with another model is said again)."""
-        summary = backend.info.summary() if backend.info is not None else {"backend": backend.name}
-        key = (dataset, orjson.dumps(summary, option=orjson.OPT_SORT_KEYS))
-        if key in self._announced:
+        identity (a probe again, of a server restarted perhaps with another model, is said again).
+        One dict lookup per job otherwise."""
+        if dataset in self._announced and self._announced[dataset] is backend.info:
             return
-        self._announced.add(key)
+        self._announced[dataset] = backend.info
+        summary = backend.info.summary() if backend.info is not None else {"backend": backend.name}
         said = {**summary, "worker": self.books.name, "at": now_iso()}
         await self.redis(self.books.announce, dataset, said)
 
