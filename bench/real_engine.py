@@ -58,6 +58,11 @@ from tests.engines import (  # noqa: E402
 )
 from tests.llama import TINY_MODEL, LlamaServer, server_binary, tiny_prompts  # noqa: E402
 
+# What each process logs once it is ready to work: its CPU until then is its start-up (Python, its
+# imports, the server probe), paid once per process, not per job.
+READY = {"worker": "serving", "collector": "holds dataset"}
+PROCS = ("worker", "collector", "redis")
+
 # Each engine's token-id API: the request body, and the generated ids in its answer.
 REQUESTS: dict[str, tuple[str, Callable[[list[int], int], dict], Callable[[dict], list[int]]]] = {
     "llamacpp": (
@@ -130,27 +135,33 @@ def run_genq(engine: str, url: str, data: Path, work: Path, n_predict: int, conc
             "--concurrency",
             concurrency,
         ]
+        commands = {"worker": worker, "collector": [*genq, "collect", "--out", str(work / "out"), "--burst"]}
+        logs = {name: work / f"{name}.log" for name in commands}
         procs = {
-            "worker": subprocess.Popen(worker, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-            "collector": subprocess.Popen(
-                [*genq, "collect", "--out", str(work / "out"), "--burst"],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            ),
+            name: subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=logs[name].open("wb"))
+            for name, command in commands.items()
         }
         cpu = dict.fromkeys(procs, 0.0)
+        startup: dict[str, float] = {}
         while any(p.poll() is None for p in procs.values()):
             for name, p in procs.items():
                 if p.poll() is None:
                     cpu[name] = cpu_s(p.pid)  # read while it runs: a reaped process has none
+                    if name not in startup and READY[name] in logs[name].read_text(errors="replace"):
+                        startup[name] = cpu[name]
             time.sleep(0.05)
         wall = time.monotonic() - started
         cpu["redis"] = cpu_s(redis_pid) - redis_before
         assert all(p.returncode == 0 for p in procs.values()), {n: p.returncode for n, p in procs.items()}
         lines = (work / "out" / "bench" / "raw_responses.jsonl").read_bytes().splitlines()
         tokens = sum(orjson.loads(line)["completion_tokens"] for line in lines)
-        return {"wall_s": wall, "records": len(lines), "tokens": tokens, "cpu_s": cpu}
+        return {
+            "wall_s": wall,
+            "records": len(lines),
+            "tokens": tokens,
+            "cpu_s": cpu,
+            "startup_cpu_s": startup,
+        }
     finally:
         redis.stop()
 
@@ -227,7 +238,15 @@ def main() -> int:
         f"{args.prompts} prompts, {args.max_new_tokens} new tokens; {args.rounds} rounds each, alternating"
     )
     columns = ("in flight", "client", "requests/s", "tokens/s", "vs bare", "server CPU ms/request")
-    for col in (*columns, "genq CPU ms/job: worker", "collector", "Redis", "all"):
+    genq_columns = (
+        "genq CPU ms/job once ready: worker",
+        "collector",
+        "Redis",
+        "all",
+        "start-up CPU s",
+        "all, per job",
+    )
+    for col in (*columns, *genq_columns):
         table.add_column(col, justify="right")
     summary: dict[str, dict[str, float]] = {}
     for concurrency in settings:
@@ -236,12 +255,23 @@ def main() -> int:
         for client in clients:
             rows = [r for r in mine if r["client"] == client]
             ratios = [bare_wall[r["round"]] / r["wall_s"] for r in rows]
-            per_job = {
-                name: [1000 * r["cpu_s"][name] / r["records"] for r in rows]
-                for name in ("worker", "collector", "redis")
-                if client != "bare"
-            }
-            total = [1000 * sum(r["cpu_s"].values()) / r["records"] for r in rows] if client != "bare" else []
+            genq_cells = ["-"] * len(genq_columns)
+            if client != "bare":
+                ready = [
+                    {**r["cpu_s"], **{n: r["cpu_s"][n] - s for n, s in r["startup_cpu_s"].items()}}
+                    for r in rows
+                ]
+                ready_ms = [1000 * sum(c.values()) / r["records"] for c, r in zip(ready, rows, strict=True)]
+                total = [1000 * sum(r["cpu_s"].values()) / r["records"] for r in rows]
+                genq_cells = [
+                    *(
+                        spread([1000 * c[n] / r["records"] for c, r in zip(ready, rows, strict=True)])
+                        for n in PROCS
+                    ),
+                    spread(ready_ms),
+                    spread([sum(r["startup_cpu_s"].values()) for r in rows]),
+                    spread(total),
+                ]
             table.add_row(
                 str(concurrency),
                 client,
@@ -249,13 +279,13 @@ def main() -> int:
                 spread([r["tokens"] / r["wall_s"] for r in rows]),
                 spread(ratios),
                 spread([1000 * r["server_cpu_s"] / r["records"] for r in rows]),
-                *(spread(v) for v in per_job.values()),
-                *([spread(total)] if total else ["-"] * 4),
+                *genq_cells,
             )
             if client != "bare":
                 summary[f"{client} at {concurrency}"] = {
                     "vs_bare_mean": statistics.mean(ratios),
                     "cpu_ms_per_job_mean": statistics.mean(total),
+                    "cpu_ms_per_job_once_ready_mean": statistics.mean(ready_ms),
                 }
     Console(width=200).print(table)
     vocab = f"-vocab-{args.n_vocab}" if args.n_vocab else ""

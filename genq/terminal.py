@@ -8,14 +8,17 @@ any of them; on a terminal it keeps the terminal's width.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
+if TYPE_CHECKING:
+    from rich.console import Console
 
 PIPED_WIDTH = 1000  # columns when stdout is not a terminal
 
 
 def console(**kwargs: Any) -> Console:
+    from rich.console import Console  # here: a worker, which prints no table, never pays rich's import
+
     found = Console(**kwargs)
     if not found.is_terminal and "width" not in kwargs:
         return Console(width=PIPED_WIDTH, **kwargs)
