@@ -47,6 +47,7 @@ EXTERNAL = {
     "--max-model-len": "vLLM",
     "--max-num-queued-reqs": "vLLM",
     # llama.cpp's llama-server
+    "--cache-ram": "llama-server",
     "--kv-unified": "llama-server",
     "--parallel": "llama-server",
     "--metrics": "llama-server",
