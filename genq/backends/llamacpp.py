@@ -113,8 +113,8 @@ class LlamaCpp(Backend):
                 "bad_request", "the llamacpp backend sends token ids: this job has none", cost=Cost.FATAL
             )
         vocab = self.info.vocab_size if self.info is not None else None
-        if vocab is not None and any(not 0 <= i < vocab for i in ids):
-            bad = next(i for i in ids if not 0 <= i < vocab)
+        if vocab is not None and ids and max(ids) >= vocab:  # ids are >= 0 (JobSpec.from_kwargs)
+            bad = next(i for i in ids if i >= vocab)
             raise AttemptError(
                 "bad_request", f"token id {bad} is outside the vocabulary [0, {vocab})", cost=Cost.FATAL
             )
