@@ -108,7 +108,8 @@ def build(
             "records": t.records,
             "prompt_tokens": t.prompt_tokens,
             "completion_tokens": t.completion_tokens,
-            "cached_tokens": t.cached_tokens,
+            # No record said how many were cached: unknown, not 0.
+            "cached_tokens": t.cached_tokens if t.cached_records else None,
             "cached_tokens_of_records": t.cached_records,
         }
     times = {k.decode(): v.decode() for k, v in tokens_raw.items() if k in (b"first_at", b"last_at")}

@@ -349,12 +349,16 @@ class GenqMessages:
         return max((best(0, j, 0) for j in range(len(message))), default=never)
 
 
+# A fenced block, closed by a fence as long as its opening one (a card's ``` block sits in a ````).
+FENCED = re.compile(r"^(`{3,})(\w*)[^\n]*\n(.*?)^\1[ \t]*$", flags=re.M | re.S)
+
+
 def _quoted_prose() -> list[tuple[str, tuple[str, ...], str]]:
     """Runs of three or more prose words inside the docs' code spans that read as messages, as
     tokens."""
     found = []
     for doc in DOCS:
-        text = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), doc.read_text(), flags=re.S)
+        text = FENCED.sub(lambda m: "\n" * m.group(0).count("\n"), doc.read_text())
         for span in re.finditer(r"(`+)(.+?)\1", text, flags=re.S):
             quoted = " ".join(span.group(2).split()).removeprefix("Error: ")  # click's prefix
             if len(quoted.split()) < 4 or (NOT_A_MESSAGE.match(quoted) and not FLAG_SAYS.match(quoted)):
@@ -394,13 +398,12 @@ def _shell_lines():
     continuation lines joined; lines with a placeholder (…) are the reader's to fill."""
     for doc in DOCS:
         text = doc.read_text()
-        for block in re.finditer(r"```(\w*)\n(.*?)```", text, flags=re.S):
+        for block in FENCED.finditer(text):
             first = text.count("\n", 0, block.start()) + 2
-            for offset, line in enumerate(block.group(2).replace("\\\n", " \n").split("\n")):
+            lang, body = block.group(2), block.group(3)
+            for offset, line in enumerate(body.replace("\\\n", " \n").split("\n")):
                 line = line.strip().removeprefix("$ ")
-                if block.group(1) not in ("sh", "bash") and not block.group(2).split("\n")[offset].startswith(
-                    "$ "
-                ):
+                if lang not in ("sh", "bash") and not body.split("\n")[offset].startswith("$ "):
                     continue
                 if "…" in line or "..." in line:
                     continue

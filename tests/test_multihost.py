@@ -205,6 +205,17 @@ class Cluster:
             hosts = sorted(n[len(self.keys.worker_prefix) :].split(".")[0] for n in names)
             assert hosts == ["gpu1", "gpu2"], f"{what} shows the workers of {hosts}: {names}"
 
+    def wait_all_on_disk(self, dataset: str, total: int, timeout: float, *procs: subprocess.Popen) -> None:
+        """Wait for every record; on a timeout say what is left, where, and each role's last words."""
+        try:
+            wait_until(lambda: self.done(dataset) == total, timeout, "every record on disk")
+        except AssertionError as exc:
+            done = self.done_rows(dataset)
+            left = {j: w for j, w in self.started(dataset).items() if self.row(j) not in done}
+            tails = "\n".join(f"--- {p.log_path}:\n{log(p)[-2500:]}" for p in procs)  # type: ignore[attr-defined]
+            counts = self.counts(dataset)
+            raise AssertionError(f"{exc}: {counts}; started, not done: {left}\n{tails}") from None
+
     def adds_up(self, dataset: str, total: int) -> None:
         c = self.counts(dataset)
         assert (c["total"], c["done"], c["unaccounted"]) == (total, total, 0), c
@@ -303,7 +314,7 @@ def test_a_worker_host_cut_off_from_redis(cluster, tmp_path, report):
 
     wait_until(rejoined, 90, "gpu1 to take jobs again")
     again = since(t1)
-    wait_until(lambda: c.done("cut") == 2000, 180, "every record on disk")
+    c.wait_all_on_disk("cut", 2000, 180)
     settled = (c.generations("gpu1"), c.generations("gpu2"))
     # Then until nothing could be queued again: no worker holds a job and RQ's started registry and
     # intermediate list are empty (a late heartbeat of gpu1 would have put an execution back there,
@@ -378,7 +389,7 @@ def test_a_worker_cut_off_from_its_own_server(cluster, tmp_path, report):
     said = [line for line in log(gpu1).splitlines() if any(f"server-{row} " in line for row in failed[:3])]
     assert not failed, f"gpu1's held jobs of rows {failed[:10]} failed (an attempt charged): {said[-6:]}"
     resumed = since(t1)
-    wait_until(lambda: c.done("server") == 1500, 180, "every record on disk")
+    c.wait_all_on_disk("server", 1500, 180, gpu1, gpu2, collector)
     c.adds_up("server", 1500)
     c.no_ghosts()
     for proc in (gpu1, gpu2, collector):

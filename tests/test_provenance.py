@@ -45,7 +45,10 @@ def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums
     assert tokens["prompt_tokens"] == sum(r["prompt_tokens"] for r in records)
     assert tokens["completion_tokens"] == sum(r["completion_tokens"] for r in records)
     cached = [r["cached_tokens"] for r in records if r["cached_tokens"] is not None]
-    assert (tokens["cached_tokens"], tokens["cached_tokens_of_records"]) == (sum(cached), len(cached))
+    assert (tokens["cached_tokens"], tokens["cached_tokens_of_records"]) == (
+        sum(cached) if cached else None,
+        len(cached),
+    )
     book = data["ledger"]
     assert book["read"] == len(prompts) and book["pending"] == 0
     assert book["cut"] == sum(1 for r in records if r["finish_reason"] == "length")
