@@ -2,6 +2,7 @@
 
     python bench/real_engine.py [--engine sglang|vllm|llamacpp] [--prompts 2000] [--max-new-tokens 32]
                                 [--concurrency 16,64] [--rounds 2] [--auto] [--n-vocab N]
+                                [--bare-body] [--beside]
 
 One real server: SGLang or vLLM on the CPU (their venvs from ops/engines/, the tiny Hugging Face
 llama of ops/engines/tiny_model.py) or llama.cpp's llama-server (``-t 1``, built by
@@ -10,7 +11,10 @@ which is what the server's sampler pays for), its batch as large as the most in 
 number in flight, ``--rounds`` rounds of: a bare aiohttp client sending every prompt (greedy, the
 engine's own token-id API) and waiting for every answer; then genq doing the same work end to end
 — a private redis-server, `genq enqueue` (prefilled), one `genq worker --burst` and `genq collect
---burst` — until both exit; with ``--auto`` also genq at ``--concurrency auto``. Alternating
+--burst` — until both exit; with ``--auto`` also genq at ``--concurrency auto``. Two controls
+tell a server that works harder for genq's requests from one that has less CPU left: with
+``--bare-body`` the bare client also sends the bodies (and headers) genq's backend builds, and with
+``--beside`` it also runs while genq serves the simulator beside it. Alternating
 (ABAB), so a server that speeds up or slows down as it runs favours neither, and the spread over
 rounds is reported.
 
@@ -35,10 +39,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -49,7 +55,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import cpu_s, machine, tree_cpu_s  # noqa: E402
+from genq.backends import BACKENDS, Http  # noqa: E402
 from genq.commands.embedded import EmbeddedRedis, free_port  # noqa: E402
+from genq.schema import JobSpec  # noqa: E402
 from tests.engines import (  # noqa: E402
     EngineServer,
     engine_python,
@@ -86,29 +94,68 @@ REQUESTS: dict[str, tuple[str, Callable[[list[int], int], dict], Callable[[dict]
 }
 
 
-async def bare(engine: str, url: str, prompts: list[list[int]], n_predict: int, concurrency: int) -> int:
-    """Every prompt through one aiohttp session, ``concurrency`` in flight; generated tokens."""
+# A request body and headers for (prompt ids, new tokens, the prompt's number).
+Request = Callable[[list[int], int, int], tuple[dict, dict[str, str]]]
+
+
+def genq_request(engine: str, url: str) -> Request:
+    """(body, headers) exactly as genq's backend builds them for a greedy job (``--bare-body
+    genq``): the same builder the worker calls, probed once for the server's model and vocabulary."""
+
+    async def probed():
+        async with Http(url) as http:
+            backend = BACKENDS[engine](http)
+            await backend.probe()
+            return backend
+
+    backend = asyncio.run(probed())
+
+    def request(ids: list[int], n: int, k: int) -> tuple[dict, dict[str, str]]:
+        params = {"max_new_tokens": n, "temperature": 0.0}
+        spec = JobSpec(
+            dataset="bench", row=k, sample=0, id=f"bench-{k}", sampling_params=params, input_ids=ids
+        )
+        rid = f"genq:bench:job:{k}.1.{os.urandom(6).hex()}"  # worker/attempts.py's shape
+        if engine == "sglang":
+            return backend.body(spec, rid), {}  # type: ignore[call-arg]
+        return backend.body(spec), ({"X-Request-Id": rid} if engine == "vllm" else {})  # type: ignore[call-arg]
+
+    return request
+
+
+async def bare(
+    engine: str,
+    url: str,
+    prompts: list[list[int]],
+    n_predict: int,
+    concurrency: int,
+    request: Request | None = None,
+) -> int:
+    """Every prompt through one aiohttp session, ``concurrency`` in flight; generated tokens. The
+    body is the engine's plainest (REQUESTS), or what ``request`` makes (genq's own)."""
     path, body, output = REQUESTS[engine]
     gate = asyncio.Semaphore(concurrency)
     headers = {"Content-Type": "application/json"}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
 
-        async def one(ids: list[int]) -> int:
+        async def one(k: int, ids: list[int]) -> int:
+            sent, extra = request(ids, n_predict, k) if request else (body(ids, n_predict), {})
             async with (
                 gate,
-                session.post(url + path, data=orjson.dumps(body(ids, n_predict)), headers=headers) as resp,
+                session.post(url + path, data=orjson.dumps(sent), headers={**headers, **extra}) as resp,
             ):
                 assert resp.status == 200, await resp.text()
                 return len(output(await resp.json()))
 
-        return sum(await asyncio.gather(*(one(p) for p in prompts)))
+        return sum(await asyncio.gather(*(one(k, p) for k, p in enumerate(prompts))))
 
 
-def run_bare(engine: str, url: str, prompts: list[list[int]], n_predict: int, concurrency: int) -> dict:
-    """The bare client in this process (its imports paid already): wall time, and its CPU, the
-    floor genq's worker is measured against."""
+def run_bare(*args: Any) -> dict:
+    """The bare client (:func:`bare`'s arguments) in this process (its imports paid already): wall
+    time, and its CPU, the floor genq's worker is measured against."""
+    prompts = args[2]
     started, cpu = time.monotonic(), time.process_time()
-    tokens = asyncio.run(bare(engine, url, prompts, n_predict, concurrency))
+    tokens = asyncio.run(bare(*args))
     return {
         "wall_s": time.monotonic() - started,
         "records": len(prompts),
@@ -176,6 +223,37 @@ def run_genq(engine: str, url: str, data: Path, work: Path, n_predict: int, conc
         redis.stop()
 
 
+# The simulator genq serves beside the bare client (--beside): a decode step this long puts 16
+# requests in flight at about 50 a second, genq's pace against these engines.
+BESIDE_STEP_MS = "10"
+
+
+@contextlib.contextmanager
+def genq_beside(data: Path, work: Path, n_predict: int, concurrency: int) -> Iterator[None]:
+    """genq's worker, collector and Redis busy beside the bare client, serving the simulator
+    (whose own CPU comes with it): their CPU on the engine's cores without their requests."""
+    port = free_port()
+    argv = [sys.executable, "-P", "-m", "genq", "sim-server", "--port", str(port), "--latency", "realistic"]
+    sim = subprocess.Popen(
+        [*argv, "--decode-step-ms", BESIDE_STEP_MS], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        assert sim.stdout is not None
+        assert b"listening on" in sim.stdout.readline(), "the simulator did not start"
+        url = f"http://127.0.0.1:{port}"
+        job = threading.Thread(target=run_genq, args=("sglang", url, data, work, n_predict, str(concurrency)))
+        job.start()
+        log, deadline = work / "worker.log", time.monotonic() + 60
+        while READY["worker"] not in (log.read_text(errors="replace") if log.exists() else ""):
+            assert job.is_alive() and time.monotonic() < deadline, "genq beside did not start serving"
+            time.sleep(0.05)
+        yield
+        job.join()
+    finally:
+        sim.terminate()
+        sim.wait()
+
+
 @contextlib.contextmanager
 def engine_server(
     engine: str, work: Path, batch: int, n_vocab: int | None
@@ -222,10 +300,20 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of bare, genq (ABAB) per setting")
     ap.add_argument("--auto", action="store_true", help="also genq at --concurrency auto, each round")
     ap.add_argument("--n-vocab", type=int, default=None, help="llamacpp: the tiny model's vocabulary size")
+    ap.add_argument(
+        "--bare-body", action="store_true", help="also the bare client sending genq's own request bodies"
+    )
+    ap.add_argument(
+        "--beside", action="store_true", help="also the bare client with genq serving the simulator beside it"
+    )
     args = ap.parse_args()
     engine = args.engine
     settings = [int(c) for c in args.concurrency.split(",")]
-    clients = ["bare", "genq", *(["genq auto"] if args.auto else [])]
+    controls = [
+        *(["bare, genq's body"] if args.bare_body else []),
+        *(["bare, genq beside"] if args.beside else []),
+    ]
+    clients = ["bare", *controls, "genq", *(["genq auto"] if args.auto else [])]
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix=f"genq-bench-{engine}-") as tmp:
         work = Path(tmp)
@@ -234,12 +322,20 @@ def main() -> int:
             data = work / "bench.jsonl"
             data.write_bytes(b"".join(orjson.dumps({"input_ids": p}) + b"\n" for p in prompts))
             asyncio.run(bare(engine, url, prompts[:50], args.max_new_tokens, max(settings)))  # warm up
+            genq_body = genq_request(engine, url) if args.bare_body else None
             for concurrency in settings:
                 for round_ in range(1, args.rounds + 1):
                     for client in clients:
                         before = tree_cpu_s(server_pid)
                         if client == "bare":
                             row = run_bare(engine, url, prompts, args.max_new_tokens, concurrency)
+                        elif client == "bare, genq's body":
+                            row = run_bare(engine, url, prompts, args.max_new_tokens, concurrency, genq_body)
+                        elif client == "bare, genq beside":
+                            with genq_beside(
+                                data, work / f"beside-{len(runs)}", args.max_new_tokens, concurrency
+                            ):
+                                row = run_bare(engine, url, prompts, args.max_new_tokens, concurrency)
                         else:
                             flight = "auto" if client == "genq auto" else str(concurrency)
                             folder = work / f"genq-{len(runs)}"
@@ -270,7 +366,7 @@ def main() -> int:
             rows = [r for r in mine if r["client"] == client]
             ratios = [bare_wall[r["round"]] / r["wall_s"] for r in rows]
             genq_cells = ["-"] * len(genq_columns)
-            if client == "bare":  # the client's own CPU, in the worker's column
+            if client.startswith("bare"):  # the client's own CPU, in the worker's column
                 genq_cells[0] = spread([1000 * r["cpu_s"]["client"] / r["records"] for r in rows])
             else:
                 ready = [
@@ -297,7 +393,9 @@ def main() -> int:
                 spread([1000 * r["server_cpu_s"] / r["records"] for r in rows]),
                 *genq_cells,
             )
-            if client != "bare":
+            if client.startswith("bare,"):
+                summary[f"{client} at {concurrency}"] = {"vs_bare_mean": statistics.mean(ratios)}
+            elif client != "bare":
                 summary[f"{client} at {concurrency}"] = {
                     "vs_bare_mean": statistics.mean(ratios),
                     "cpu_ms_per_job_mean": statistics.mean(total),
