@@ -101,6 +101,10 @@ def _ledger(prov: dict[str, Any]) -> list[str]:
     for table in (book, tokens):
         if table:
             out += _table(table)
+    rejected = prov.get("rejected_by_reason")
+    if rejected:
+        said = "; ".join(f"{n:,}: {reason}" for reason, n in rejected.items())
+        out += [f"Rejected at the last enqueue, by reason: {said}", ""]
     failed = prov.get("failed_by_class")
     if failed:
         out += ["Failed, by error class: " + ", ".join(f"{cls} {n:,}" for cls, n in failed.items()), ""]

@@ -28,7 +28,8 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``ds:<name>:servers``      hash   server URL -> what a worker's probe read of it as it took the dataset's
                                     jobs (JSON: backend, version, model, context length, when): the
                                     dataset's provenance; two models answering one dataset are warned of
-- ``ds:<name>:provenance``   hash   the last enqueue's command line (secrets redacted), host and time
+- ``ds:<name>:provenance``   hash   the last enqueue's command line (secrets redacted), host, time, and
+                                    the rows it refused by reason (JSON)
 - ``ds:<name>:tokens``       hash   records, prompt_tokens, completion_tokens of the records on disk (set
                                     in the MULTI that marks them done), live_tokens, first_at, last_at
 - ``ds:<name>:rate:<n>``     string completion tokens written to disk in the n-th 10 s bucket (expires in 1 h)

@@ -26,6 +26,8 @@ from genq.keys import Keys
 from genq.schema import bit_index, dumps, loads, now_iso
 
 FILE = "provenance.json"
+# The field of a dataset's provenance hash where enqueue keeps its rejects by reason (JSON).
+REJECTS_FIELD = "rejected_by_reason"
 SERVER_FIELDS = ("backend", "version", "model", "context_length", "worker", "at")
 
 
@@ -54,6 +56,18 @@ def disagreement(name: str, served: dict[str, dict[str, Any]]) -> str | None:
         return None
     which = "; ".join(f"{model} ({', '.join(urls)})" for model, urls in sorted(models.items()))
     return f"dataset {name}: answered by {len(models)} different models: {which}: its records mix them"
+
+
+def rejected_by_reason(raw: bytes | None) -> dict[str, int] | None:
+    """The rows the last enqueue refused, by reason (producer/enqueue.py record_rejects): read from
+    Redis, so only a JSON object of counts is taken; None when it is not one (or not recorded)."""
+    try:
+        data = loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not all(type(n) is int and n >= 0 for n in data.values()):
+        return None
+    return {str(reason)[:200]: n for reason, n in data.items()}
 
 
 def failed_by_class(errors: Path, failed: bytes, samples: int) -> dict[str, int]:
@@ -113,15 +127,17 @@ def build(
             "cached_tokens_of_records": t.cached_records,
         }
     times = {k.decode(): v.decode() for k, v in tokens_raw.items() if k in (b"first_at", b"last_at")}
+    enqueue = {k.decode(errors="replace"): v for k, v in enqueue_raw.items()}
     return {
         "dataset": name,
         "genq_version": __version__,
         "settings": asdict(settings),
-        "enqueue": {k.decode(): v.decode(errors="replace") for k, v in sorted(enqueue_raw.items())},
+        "enqueue": {k: v.decode(errors="replace") for k, v in sorted(enqueue.items()) if k != REJECTS_FIELD},
         "servers": served,
         "models": sorted({str(s["model"]) for s in served.values() if s.get("model")}),
         "warnings": [warning] if warning else [],
         "ledger": book,
+        "rejected_by_reason": rejected_by_reason(enqueue.get(REJECTS_FIELD)),
         "failed_by_class": failed_by_class(errors, conn.get(keys.failed(name)) or b"", settings.samples)
         if errors is not None
         else None,

@@ -15,19 +15,22 @@ the print of the rows enqueued from it before (producer/fingerprints.py), saved 
 from __future__ import annotations
 
 import logging
+import re
 import shlex
 import socket
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
 import redis
 from redis.client import Pipeline
 
-from genq import datasets, sources
+from genq import datasets, provenance, sources
 from genq.bitmaps import is_set, set_bits
 from genq.connection import redact
 from genq.conversation import first_turn
@@ -48,6 +51,10 @@ from producer.rejects import RejectsFile
 log = logging.getLogger("genq.enqueue")
 
 BATCH = 1000
+# A reject's reason, counted by its class: numbers and quoted values out, this long at most.
+_NUMBER = re.compile(r"\d+")
+_QUOTED_VALUE = re.compile(r"(?<=: )'[^']*'|\"[^\"]*\"")
+REASON_CHARS = 120
 RENDER_BATCH = 256  # conversations per apply_chat_template call
 POLL_S = 0.05  # how often a full queue is looked at again (--max-queued): one LLEN
 JOBS = rq_jobs.JobOptions(
@@ -113,6 +120,7 @@ class Summary:
     rejected: int = 0
     clipped: int = 0
     fatal: str | None = None  # a source that could not be read on: nothing after it was enqueued
+    rejected_by_reason: Counter[str] = field(default_factory=Counter)  # reason_class -> rows
 
     def as_dict(self) -> dict[str, Any]:
         counts = {"read": self.read, "enqueued": self.enqueued, "skipped": self.skipped}
@@ -175,6 +183,7 @@ def _enqueue_leased(
             item = checked(item, settings.sampling_params, options)
             if isinstance(item, Rejected):
                 summary.rejected += 1
+                summary.rejected_by_reason[reason_class(item.reason)] += 1
                 report(f"rejected {item}")
                 if rejects is not None:
                     rejects.write(item)
@@ -420,6 +429,20 @@ class _Pusher:
         return self.keys.job_id(spec.id), spec.to_kwargs(), described
 
 
+def reason_class(reason: str) -> str:
+    """A reject's reason with its numbers and quoted values taken out, so rows refused for the same
+    reason count together (``prompt of 9000 tokens ...`` and ``prompt of 9100 tokens ...``)."""
+    return _NUMBER.sub("N", _QUOTED_VALUE.sub("…", reason))[:REASON_CHARS]
+
+
+def record_rejects(conn: redis.Redis, keys: Keys, dataset: str, summary: Summary) -> None:
+    """The rows this enqueue refused, by reason, beside its command line: the dataset card's
+    ledger says why rows are missing (each enqueue reads every row, so the latest one's counts
+    are the dataset's)."""
+    by_reason = dict(summary.rejected_by_reason.most_common())
+    conn.hset(keys.provenance(dataset), provenance.REJECTS_FIELD, orjson.dumps(by_reason))
+
+
 def record_command(conn: redis.Redis, keys: Keys, dataset: str) -> None:
     """The dataset's provenance: the command line that enqueued it last (URLs' passwords
     redacted; secrets are never in argv), the host and the time."""
@@ -469,4 +492,7 @@ def enqueue_dataset(
         report(f"{dataset}: {expected} rows in its sources; at most {options.max_queued} jobs queued at once")
     prints = Fingerprints(keys.sources(dataset), dataset, replace_settings, report)
     rows = read_dataset(paths, options.shape, options.split, report, options.max_row_bytes, prints)
-    return enqueue_rows(conn, keys, settings, rows, options, expected, report, rejects, prints)
+    summary = enqueue_rows(conn, keys, settings, rows, options, expected, report, rejects, prints)
+    if summary.fatal is None:  # every row read: the counts are whole
+        patiently(lambda: record_rejects(conn, keys, dataset, summary), Outage(log, conn, keys))
+    return summary

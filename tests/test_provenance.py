@@ -15,10 +15,15 @@ def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums
     procs, start_sim, out, tmp_path
 ):
     prompts = write_prompts(tmp_path / "prov.jsonl", 60)
+    # Three rows enqueue refuses, two for one reason: the card says why they are missing.
+    bad = [{"input_ids": [5, -1]}, {"input_ids": [7, -3, 2]}, {"text": 12}]
+    with (tmp_path / "prov.jsonl").open("ab") as fh:
+        fh.write(b"".join(orjson.dumps(row) + b"\n" for row in bad))
     # Both slow enough that each worker takes a share of the jobs.
     one = start_sim("--served-model-name", "org/model-a", "--latency", "realistic")
     two = start_sim("--served-model-name", "org/model-b", "--latency", "realistic")
-    enq = procs.run("enqueue", tmp_path / "prov.jsonl", "--max-new-tokens", "64", "--temperature", "0.5")
+    flags = ("--max-new-tokens", "64", "--temperature", "0.5", "--allow-rejects")
+    enq = procs.run("enqueue", tmp_path / "prov.jsonl", *flags)
     assert enq.returncode == 0, enq.stderr
     workers = [procs.start("worker", "--server", url, "--burst", "--concurrency", "4") for url in (one, two)]
     assert [w.wait(120) for w in workers] == [0, 0], [log_of(w) for w in workers]
@@ -50,7 +55,11 @@ def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums
         len(cached),
     )
     book = data["ledger"]
-    assert book["read"] == len(prompts) and book["pending"] == 0
+    assert book["read"] == len(prompts) + len(bad) and book["pending"] == 0
+    assert book["rejected"] == sum(data["rejected_by_reason"].values()) == len(bad), data[
+        "rejected_by_reason"
+    ]
+    assert sorted(data["rejected_by_reason"].values()) == [1, 2], "one reason for both negative ids"
     assert book["cut"] == sum(1 for r in records if r["finish_reason"] == "length")
     assert data["first_record_at"] and data["last_record_at"]
 
@@ -74,7 +83,15 @@ def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums
     assert configs["eagle3"]["data_files"] == [{"split": "train", "path": "tokenized_data.jsonl"}]
     assert configs["parquet"]["data_files"][0]["path"] == "records-*-of-*.parquet"
     assert configs["parquet"].get("default") and not configs["eagle3"].get("default"), "the last export"
-    for shown in ("org/model-a", "org/model-b", "0.1.0", "genq enqueue", "| stopped | continued | cut |"):
+    rejects = "Rejected at the last enqueue, by reason: 2: "
+    for shown in (
+        "org/model-a",
+        "org/model-b",
+        "0.1.0",
+        "genq enqueue",
+        "| stopped | continued | cut |",
+        rejects,
+    ):
         assert shown in card.text, shown
     assert f"{data['tokens']['completion_tokens']:,}" in card.text
 
