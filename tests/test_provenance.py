@@ -56,10 +56,9 @@ def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums
     )
     book = data["ledger"]
     assert book["read"] == len(prompts) + len(bad) and book["pending"] == 0
-    assert book["rejected"] == sum(data["rejected_by_reason"].values()) == len(bad), data[
-        "rejected_by_reason"
-    ]
-    assert sorted(data["rejected_by_reason"].values()) == [1, 2], "one reason for both negative ids"
+    by_reason = data["rejected_by_reason"]
+    assert book["rejected"] == sum(by_reason.values()) == len(bad), by_reason
+    assert sorted(by_reason.values()) == [1, 2], f"one reason for both negative ids: {by_reason}"
     assert book["cut"] == sum(1 for r in records if r["finish_reason"] == "length")
     assert data["first_record_at"] and data["last_record_at"]
 
