@@ -350,7 +350,7 @@ def test_a_worker_host_cut_off_from_redis(cluster, tmp_path, report):
 @pytest.mark.timeout(1500)
 def test_a_worker_cut_off_from_its_own_server(cluster, tmp_path, report):
     """Only the link between gpu1 and its inference server breaks: its requests hang, the gate
-    closes, no attempt is charged (one attempt per job: a charged one would fail the job), and
+    closes, no attempt is charged (each job it held ends with one attempt, none failed), and
     gpu1's jobs resume on gpu1 when the link returns."""
     c = cluster("redis", "store", "gpu1", "gpu2", "ops")
     data = tmp_path / "server.jsonl"
@@ -359,7 +359,9 @@ def test_a_worker_cut_off_from_its_own_server(cluster, tmp_path, report):
     collector = c.genq("store", "collect", "--out", c.out)
     for gpu in ("gpu1", "gpu2"):
         c.sim(gpu)
-    gpu1 = c.worker("gpu1", "--request-timeout", "2", "--max-attempts", "1")
+    # Two attempts: a job sent after the link returns may run past 2 s on a loaded machine (a
+    # charge that is right); the outage must charge none of the jobs it held (checked below).
+    gpu1 = c.worker("gpu1", "--request-timeout", "2", "--max-attempts", "2")
     gpu2 = c.worker("gpu2", "--max-attempts", "1")
     name1 = c.worker_name("gpu1")
     wait_until(lambda: c.done("server") >= 100, 60, "the run to be going")
@@ -395,8 +397,8 @@ def test_a_worker_cut_off_from_its_own_server(cluster, tmp_path, report):
     for proc in (gpu1, gpu2, collector):
         assert stop(proc) == 0, log(proc)
     records = c.on_disk("server", prompts)  # errors.jsonl empty: no job lost its one attempt
-    assert {r["attempts"] for r in records} == {1}, "a send was charged"
     mine = [r for r in records if c.keys.job_id(r["id"]) in held]
+    assert {r["attempts"] for r in mine} == {1}, "the outage charged a send"
     assert {r["worker"] for r in mine} == {name1}, "gpu1's jobs ran elsewhere"
     measured(
         report,
