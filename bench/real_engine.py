@@ -256,10 +256,10 @@ def genq_beside(data: Path, work: Path, n_predict: int, concurrency: int) -> Ite
 
 @contextlib.contextmanager
 def engine_server(
-    engine: str, work: Path, batch: int, n_vocab: int | None
+    engine: str, work: Path, batch: int, n_vocab: int | None, *extra: str
 ) -> Iterator[tuple[str, int, Callable[[int], list[list[int]]]]]:
     """(the server's URL, its pid, prompts of its tiny vocabulary) while the server runs, started
-    with the tests' flags, and room for ``batch`` requests running at once."""
+    with the tests' flags, room for ``batch`` requests running at once, and ``extra`` flags."""
     if engine == "llamacpp":
         model = work / "model.gguf"
         vocab = ["--n-vocab", str(n_vocab)] if n_vocab else []
@@ -268,16 +268,17 @@ def engine_server(
         # default, llama.cpp PR 16391) and grows slower as it fills: 200 requests/s over the first
         # 2,000 distinct prompts, 148 over the fourth, 28 on average over 20,000 (16 in flight). The
         # benchmark measures the client, so the server does not drift under it (232-276/s without).
-        flags = ("--parallel", str(batch), "-c", str(512 * batch), "--cache-ram", "0")
+        flags = ("--parallel", str(batch), "-c", str(512 * batch), "--cache-ram", "0", *extra)
         server: LlamaServer | EngineServer = LlamaServer(server_binary(), model, work / "server.log", *flags)
         prompts = partial(tiny_prompts, seed=7)
     else:
         python = engine_python(engine)
         model = write_tiny_model(python, work / "model")
+        log = work / "server.log"
         if engine == "sglang":
-            server = sglang_server(python, model, work / "server.log", "--max-running-requests", str(batch))
+            server = sglang_server(python, model, log, "--max-running-requests", str(batch), *extra)
         else:
-            server = vllm_server(python, model, work / "server.log", "--max-num-seqs", str(batch))
+            server = vllm_server(python, model, log, "--max-num-seqs", str(batch), *extra)
         prompts = partial(hf_prompts, seed=7)
     server.start()
     try:

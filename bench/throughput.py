@@ -16,6 +16,7 @@ by CPU. Results also go to bench/results/throughput.json.
 from __future__ import annotations
 
 import argparse
+import calendar
 import json
 import os
 import shutil
@@ -44,6 +45,7 @@ from genq.commands.processes import genq_command, spawn, wait_for_line  # noqa: 
 from genq.keys import Keys  # noqa: E402
 
 TIMEOUT_S = 300.0
+EARLY_S = 10  # first_seconds' window
 ZERO = ("--latency", "zero", "--min-len", "16", "--max-len", "128")
 REALISTIC = ("--latency", "realistic", "--min-len", "32", "--max-len", "256")
 console = Console(width=max(shutil.get_terminal_size().columns, 132))
@@ -94,6 +96,25 @@ def reap(procs: list[subprocess.Popen], deadline: float) -> dict[int, float]:
             raise TimeoutError(f"processes still running after {TIMEOUT_S:.0f} s")
         time.sleep(0.02)
     return cpu
+
+
+def first_seconds(records: list[dict], started: float) -> dict:
+    """Completion tok/s and p50 latency of the records finished in the run's first EARLY_S seconds
+    (``finished_at`` has a resolution of one second, so the window is whole seconds from the one
+    the workers started in): how fast a run is from its start (``--concurrency auto`` ramping)."""
+    start = int(started)
+    early = [
+        r
+        for r in records
+        if calendar.timegm(time.strptime(r["finished_at"], "%Y-%m-%dT%H:%M:%SZ")) < start + EARLY_S
+    ]
+    if not early:
+        return {"early_tok_per_s": 0.0, "early_p50_s": None}
+    latencies = sorted(r["latency_s"] for r in early)
+    return {
+        "early_tok_per_s": sum(r["completion_tokens"] for r in early) / EARLY_S,
+        "early_p50_s": latencies[len(latencies) // 2],
+    }
 
 
 def log_issues(logs: Path) -> list[str]:
@@ -166,7 +187,7 @@ def run_once(
     server_pid = sim.pid if sim is not None else engine.pid if engine is not None else None
     sim_cpu0, redis_cpu0 = cpu_s(server_pid) if server_pid else 0.0, cpu_s(redis.proc.pid)
     worker_flags = ("--concurrency", str(cfg.concurrency), *(engine.worker_flags if engine else ()))
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.time()
     workers = [
         start(f"worker-{i}", "worker", "--server", server, "--burst", *worker_flags)
         for i in range(cfg.workers)
@@ -192,6 +213,7 @@ def run_once(
     latencies = sorted(r["latency_s"] for r in records)
     worker_cpu = sum(cpu[p.pid] for p in workers)
     issues = log_issues(logs)
+    early = first_seconds(records, started)
     return {
         "wall_s": wall,
         "jobs_per_s": cfg.jobs / wall,
@@ -205,6 +227,7 @@ def run_once(
         "redis_cpu_s": redis_cpu,
         "log_issues": len(issues),
         "log_issue_sample": issues[:5],
+        **early,
         **of_sim,
     }
 

@@ -27,6 +27,7 @@ from sim import model
 from sim.http import json_response
 from sim.state import SIM_STATE, SimState
 
+BLOCK = 16  # vLLM's default block size in tokens (CacheConfig.block_size)
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -123,6 +124,13 @@ async def vllm_metrics(request: web.Request) -> web.Response:
             ("vllm:num_requests_waiting", "gauge", labels, now.waiting),
             ("vllm:kv_cache_usage_perc", "gauge", labels, now.usage),
             ("vllm:num_preemptions_total", "counter", labels, now.retracted),
+            # The CacheConfig's fields as labels, value 1 (v1/metrics/loggers.py log_metrics_info).
+            (
+                "vllm:cache_config_info",
+                "gauge",
+                {**labels, "block_size": str(BLOCK), "num_gpu_blocks": str(now.kv_capacity // BLOCK)},
+                1,
+            ),
         ]
     )
 

@@ -26,10 +26,21 @@ def test_a_known_cache_size_still_bounds_the_slow_start():
     """With the KV size known, free slots are filled only as far as the longest jobs fit."""
     c = auto()
     for _ in range(16):
-        c.answered(1.0, output_tokens=100, prompt_tokens=100, max_new_tokens=400)
+        c.answered(1.0, output_tokens=100, prompt_tokens=100, max_new_tokens=400, started=False)
     load = Load("/v1/loads", running=START, waiting=0, kv_usage=0.1, max_running=512, kv_tokens=20_000)
     c.steer(load, busy=START)
     assert c.target == int(0.90 * 20_000 / 500), c.reason  # KV_TARGET of the cache, jobs at 500 tokens
+
+
+def test_jobs_whose_prompt_length_is_known_bound_the_slow_start_before_any_answer():
+    """Token-id prompts say their size as they start: the first steer (a quarter of a second in)
+    fills the batch as far as they fit, without waiting for answers."""
+    c = auto()
+    for _ in range(START):
+        c.started(prompt_tokens=100, max_new_tokens=400)
+    load = Load("/v1/loads", running=START, waiting=0, kv_usage=0.1, max_running=512, kv_tokens=20_000)
+    c.steer(load, busy=START)
+    assert c.target == int(0.90 * 20_000 / 500), c.reason
 
 
 def test_a_queue_behind_busy_slots_is_given_back_by_this_workers_share():
@@ -60,3 +71,19 @@ def test_busy_slots_and_a_small_queue_hold_the_target():
     c = Concurrency(66, FLOOR, 1024, auto=True)
     assert not c.steer(Load("/v1/loads", running=64, waiting=2, max_running=64), busy=66)
     assert c.target == 66
+
+
+def test_the_slots_of_a_server_that_does_not_publish_them_are_learned_from_its_queue():
+    """vLLM publishes no --max-num-seqs: requests waiting while its KV cache has room wait for a
+    slot, so the running count is the slots, and the queue beyond what refills them is given back."""
+    c = Concurrency(128, FLOOR, 1024, auto=True)
+    c.steer(Load("/metrics", running=64, waiting=64, kv_usage=0.2, kv_tokens=400_000), busy=128)
+    assert c.target == 64 + 4, c.reason  # its 64 slots and 4 to refill those that free
+    assert "waiting for 64 busy slots" in c.reason
+
+
+def test_a_queue_behind_a_full_kv_cache_teaches_no_slots():
+    """Requests waiting for KV cache, not for a slot: the running count says nothing of the slots."""
+    c = Concurrency(128, FLOOR, 1024, auto=True)
+    c.steer(Load("/metrics", running=64, waiting=64, kv_usage=0.95, kv_tokens=400_000), busy=128)
+    assert "busy slots" not in c.reason

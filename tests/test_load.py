@@ -66,8 +66,8 @@ def test_sglang_load_sees_running_and_waiting(start_sim):
 def test_vllm_load_reads_metrics(start_sim):
     url = start_sim("--api", "vllm", "--latency", "realistic", "--kv-tokens", "1000")
     assert server_load(url, "vllm") == Load(
-        source="/metrics", running=0, waiting=0, kv_usage=0.0, preempted=0
-    )
+        source="/metrics", running=0, waiting=0, kv_usage=0.0, preempted=0, kv_tokens=1000 // 16 * 16
+    )  # vllm:cache_config_info: whole blocks of 16 tokens
 
 
 def test_hosted_chat_api_has_no_load(start_sim):

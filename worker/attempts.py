@@ -201,7 +201,9 @@ class Attempts:
             return RETRY
         took = time.monotonic() - sent
         metrics.attempt(took, None)
-        self.concurrency.answered(took, answer.completion_tokens, answer.prompt_tokens, spec.max_new_tokens)
+        known = spec.input_ids is not None  # its footprint counted as it started
+        tokens = (answer.completion_tokens, answer.prompt_tokens, spec.max_new_tokens)
+        self.concurrency.answered(took, *tokens, known)
         self.send_s = took if self.send_s is None else self.send_s + SEND_S_WEIGHT * (took - self.send_s)
         self.gate.served_one()
         tries.attempt = attempt

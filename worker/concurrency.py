@@ -8,21 +8,22 @@ ceiling (``--max-concurrency``), AIMD-style so that several workers on one serve
 without oscillating:
 
 - shrink ×0.7 on new retractions/preemptions, ×0.85 on a long waiting queue or a growing one,
-  and by its share of the excess as soon as every batch slot the server has (``max_running``)
-  is busy and more wait than refill the slots that free between two steps: such a queue adds
-  latency, not work (a server that does not publish its queue, llama.cpp without /metrics:
-  down to the slots when this worker alone has more in flight than it has);
+  and by its share of the excess as soon as every batch slot the server has (``max_running``;
+  learned from its queue where it does not say, vLLM) is busy and more wait than refill the
+  slots that free between two steps: such a queue adds latency, not work (a server that does
+  not publish its queue, llama.cpp without /metrics: down to the slots when this worker alone
+  has more in flight than it has);
 - hold while a small queue keeps the batch fed, the KV cache is nearly full, every slot is busy,
   or this worker is not using its target (no jobs, draining);
-- grow otherwise: from the start (TCP's slow start) ×2, or at once to every free batch slot,
-  while the KV cache would hold every job at its longest (prompt + max_new_tokens; a server
-  that publishes no cache size, llama.cpp, is bounded by its slots alone) and the server has not
-  pushed back (a queue, a retraction); then ×1.25 while the KV cache is under half full (and
-  no shrink for CAREFUL steers), else by 1/16; never past
-  what the KV cache holds in steady state: jobs at every stage of their output at once, each
-  holding on average its prompt and half its output, with three standard deviations of margin
-  for the moments when many are late in their lives (its usage now lags: each running job's
-  cache grows with its output, so usage alone would over-admit).
+- grow otherwise: from the start (TCP's slow start, 4 steers a second) ×2, or at once to every
+  free batch slot, while the KV cache would hold every job at its longest (prompt +
+  max_new_tokens; a server that publishes no cache size, llama.cpp, is bounded by its slots
+  alone) and the server has not pushed back (a queue, a retraction); then ×1.25 while the KV
+  cache is under half full (and no shrink for CAREFUL steers), else by 1/16; never past what
+  the KV cache holds in steady state: jobs at every stage of their output at once, each holding
+  on average its prompt and half its output, with three standard deviations of margin for the
+  moments when many are late in their lives (its usage now lags: each running job's cache
+  grows with its output, so usage alone would over-admit).
 
 Where the server says nothing of its load (hosted APIs), the per-token latency of the answers
 against its minimum steers instead, and each 429 is a shrink. With ``--concurrency N`` the
@@ -31,6 +32,7 @@ target is N and never moves.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
@@ -40,6 +42,9 @@ from genq.backends.load import Load
 from worker.config import WorkerConfig
 
 STEER_EVERY_S = 1.0
+# While the slow start lasts: a short run must not wait seconds for the batch to fill (the server's
+# load is one small GET; 4 a second for a few seconds).
+STEER_STARTING_S = 0.25
 FLOOR = 8  # never fewer in flight under auto (bounded by the ceiling)
 START = 32
 LOG_EVERY_S = 10.0
@@ -85,6 +90,7 @@ class Concurrency:
     )  # (prompt, output)
     _longest: deque[int] = field(default_factory=lambda: deque(maxlen=FOOTPRINTS))  # prompt + max_new
     _slow_start: bool = True
+    _slots: int | None = None  # the batch's slots, learned where the server does not say
 
     @classmethod
     def of(cls, config: WorkerConfig) -> Concurrency:
@@ -96,13 +102,27 @@ class Concurrency:
 
     # -- what the Worker tells it -----------------------------------------------------------
 
-    def answered(self, seconds: float, output_tokens: int, prompt_tokens: int, max_new_tokens: int) -> None:
+    def started(self, prompt_tokens: int | None, max_new_tokens: int) -> None:
+        """A job starts: what it holds of the KV cache at most, where its prompt's length is known
+        now (token ids), so the first steer can fill the batch before any answer is back."""
+        if self.auto and prompt_tokens is not None:
+            self._longest.append(prompt_tokens + max_new_tokens)
+
+    def answered(
+        self, seconds: float, output_tokens: int, prompt_tokens: int, max_new_tokens: int, started: bool
+    ) -> None:
         """A send came back with an answer: a latency sample for servers without a load signal,
-        and what one job holds of the KV cache at its end (prompt and output), and at most."""
+        what one job holds of the KV cache at its end (prompt and output), and at most (unless
+        :meth:`started` counted it: ``started``)."""
         if self.auto:  # cleared at each steer; a fixed target is never steered
             self._samples.append(seconds / max(1, output_tokens))
             self._answers.append((prompt_tokens, output_tokens))
-            self._longest.append(prompt_tokens + max_new_tokens)
+            if not started:
+                self._longest.append(prompt_tokens + max_new_tokens)
+
+    def every(self) -> float:
+        """Seconds until the next steer: short while the target is still growing from its start."""
+        return STEER_STARTING_S if self._slow_start else STEER_EVERY_S
 
     def rate_limited(self) -> None:
         self._rate_limited += 1
@@ -150,9 +170,12 @@ class Concurrency:
         growing = waiting is not None and waiting > self._waiting
         self._waiting = waiting or 0
         small = max(2, running // 16)  # enough to fill the slots that free between two steps
+        load = self._learn_slots(load, small, new_preempted)
         if new_preempted or (waiting is not None and waiting > small):
             self._slow_start = False
         full = bool(load.max_running) and running >= (load.max_running or 0)
+        if full:
+            self._slow_start = False
         if new_preempted:
             return self._times(SHRINK_PREEMPTED), f"{new_preempted} requests retracted or preempted"
         if full and waiting is not None and waiting > small:
@@ -197,6 +220,22 @@ class Concurrency:
         new, reason = self._grow(load)
         return (new if room is None else min(new, self.target + room)), reason
 
+    def _learn_slots(self, load: Load, small: int, new_preempted: int) -> Load:
+        """``load`` with the batch's slot count where the server does not publish it (vLLM's
+        ``--max-num-seqs``): requests waiting while the KV cache has room and nothing was taken
+        back are waiting for a slot, so the running count is the slots (the most seen so)."""
+        if load.max_running is not None:
+            return load
+        if (
+            load.running
+            and (load.waiting or 0) > small
+            and load.kv_usage is not None
+            and load.kv_usage < KV_TARGET
+            and not new_preempted
+        ):
+            self._slots = max(self._slots or 0, load.running)
+        return dataclasses.replace(load, max_running=self._slots) if self._slots else load
+
     def _room_longest(self, load: Load, at_server: int) -> int | None:
         """How many more jobs the KV cache holds (KV_TARGET of it) beyond those at the server now,
         were every job at its longest (prompt + max_new_tokens): None until the capacity and
@@ -232,6 +271,7 @@ class Concurrency:
 
     def _from_latency(self, busy: int) -> tuple[int, str]:
         """The next target from the answers' per-token latency and 429s (no load signal)."""
+        self._slow_start = False  # steered by answers, which take their time to come
         if self._rate_limited:
             return self._times(SHRINK_PREEMPTED), f"{self._rate_limited} answers 429 (rate limited)"
         if not self._samples:

@@ -38,7 +38,7 @@ from worker import metrics
 from worker.attempts import Attempts
 from worker.background import keep_running
 from worker.commits import GroupCommit
-from worker.concurrency import STEER_EVERY_S, Concurrency
+from worker.concurrency import Concurrency
 from worker.config import WorkerConfig
 from worker.gate import ServerGate
 from worker.rq_worker import Bookkeeper, Taken
@@ -316,10 +316,10 @@ class Worker:
         return len(self._in_flight) - self._finishing - self.attempts.waiting
 
     async def _steer(self) -> None:
-        """--concurrency auto: move the target by the server's load once a second; a server that
-        cannot be reached now is left to the gate."""
+        """--concurrency auto: move the target by the server's load once a second (4 times while
+        it ramps up); a server that cannot be reached now is left to the gate."""
         while True:
-            await asyncio.sleep(STEER_EVERY_S)
+            await asyncio.sleep(self.concurrency.every())
             if not self.gate.is_up():
                 continue
             try:
@@ -373,6 +373,7 @@ class Worker:
         )
 
     def _start(self, t: Taken) -> None:
+        self.concurrency.started(t.spec.prompt_length, t.spec.max_new_tokens)
         task = asyncio.create_task(self.runner.run(t))
         self._in_flight[task] = t
         task.add_done_callback(self._job_done)

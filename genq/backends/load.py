@@ -57,6 +57,17 @@ def prometheus(text: str, names: Iterable[str]) -> dict[str, float]:
     return found
 
 
+def info_labels(text: str, name: str) -> list[dict[str, str]]:
+    """The labels of each sample of an info metric (its value is 1, its facts are its labels), e.g.
+    vLLM's ``vllm:cache_config_info``: one dict per engine."""
+    found = []
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is not None and match.group(1) == name:
+            found.append(dict(_LABEL.findall(match.group(2) or "")))
+    return found
+
+
 def count(value: Any) -> int | None:
     """An integer count from JSON or a Prometheus float; None if absent or not a number."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):

@@ -35,7 +35,7 @@ from typing import Any
 
 from genq.backends import openai_compat as oai
 from genq.backends.base import Answer, AttemptError, Backend, Cost, ServerInfo, ServerRefused, parse_json
-from genq.backends.load import Load, count, fraction, prometheus
+from genq.backends.load import Load, count, fraction, info_labels, prometheus
 from genq.logprobs import Invalid, LogProbs, number
 from genq.schema import JobSpec
 
@@ -167,7 +167,22 @@ def from_metrics(text: str) -> Load | None:
         waiting=count(found.get("vllm:num_requests_waiting")),
         kv_usage=fraction(usage / engines) if usage is not None else None,
         preempted=count(found.get("vllm:num_preemptions_total")),
+        kv_tokens=kv_tokens(text),
     )
+
+
+def kv_tokens(text: str) -> int | None:
+    """The KV cache's size in tokens, summed over engines: ``vllm:cache_config_info`` carries the
+    CacheConfig's fields as labels (v1/metrics/loggers.py log_metrics_info; config/cache.py
+    metrics_info), ``num_gpu_blocks`` blocks of ``block_size`` tokens each. None where a label is
+    missing or not a count (the blocks are "None" until the engine has profiled its memory)."""
+    sizes = []
+    for labels in info_labels(text, "vllm:cache_config_info"):
+        blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+        if not (blocks.isdigit() and size.isdigit()):
+            return None
+        sizes.append(int(blocks) * int(size))
+    return sum(sizes) or None
 
 
 def answer(data: Any, spec: JobSpec) -> Answer:
