@@ -87,3 +87,18 @@ def test_a_queue_behind_a_full_kv_cache_teaches_no_slots():
     c = Concurrency(128, FLOOR, 1024, auto=True)
     c.steer(Load("/metrics", running=64, waiting=64, kv_usage=0.95, kv_tokens=400_000), busy=128)
     assert "busy slots" not in c.reason
+
+
+def test_slots_seen_idle_while_this_workers_jobs_are_on_their_way_lengthen_the_queue():
+    """A fast step and a busy client (SGLang held to 8 running on the CPU): slots free faster than
+    answers come back and new requests arrive, so a queue of 2 leaves them idle; the queue allowed
+    behind busy slots grows with each idle reading, never past the slots."""
+    c = Concurrency(10, FLOOR, 1024, auto=True)
+    c.steer(Load("/v1/loads", running=6, waiting=0, max_running=8), busy=10)
+    held = c.target
+    assert not c.steer(Load("/v1/loads", running=8, waiting=4, max_running=8), busy=held)  # 4 waiting: kept
+    for _ in range(5):
+        c.steer(Load("/v1/loads", running=7, waiting=0, max_running=8), busy=c.target)
+    before = c.target
+    c.steer(Load("/v1/loads", running=8, waiting=12, max_running=8), busy=20)  # all at the server
+    assert c.target == before - 4, c.reason  # a queue of 8 at most, the slots' number

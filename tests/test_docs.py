@@ -46,6 +46,7 @@ EXTERNAL = {
     "--enable-prompt-tokens-details": "vLLM",
     "--max-model-len": "vLLM",
     "--max-num-queued-reqs": "vLLM",
+    "--max-num-seqs": "vLLM",
     # llama.cpp's llama-server
     "--cache-ram": "llama-server",
     "--kv-unified": "llama-server",

@@ -91,6 +91,7 @@ class Concurrency:
     _longest: deque[int] = field(default_factory=lambda: deque(maxlen=FOOTPRINTS))  # prompt + max_new
     _slow_start: bool = True
     _slots: int | None = None  # the batch's slots, learned where the server does not say
+    _refill: int = 0  # the queue that keeps the slots fed, learned from slots seen idle
 
     @classmethod
     def of(cls, config: WorkerConfig) -> Concurrency:
@@ -169,8 +170,20 @@ class Concurrency:
         waiting, running = load.waiting, load.running or 0
         growing = waiting is not None and waiting > self._waiting
         self._waiting = waiting or 0
-        small = max(2, running // 16)  # enough to fill the slots that free between two steps
-        load = self._learn_slots(load, small, new_preempted)
+        load = self._learn_slots(load, max(2, running // 16), new_preempted)
+        if (
+            load.max_running
+            and running < load.max_running
+            and not waiting
+            and busy > running
+            and self.target >= load.max_running
+        ):
+            # Slots idle, nothing queued, and jobs of this worker on their way: the slots free
+            # faster than answers come back and new requests reach the server (a fast step, a
+            # busy client), so the queue that refills them must be longer.
+            self._refill = min(load.max_running, max(4, 2 * self._refill))
+        # The queue that refills the slots as they free: a few, or what idle slots have shown.
+        small = max(2, running // 16, self._refill)
         if new_preempted or (waiting is not None and waiting > small):
             self._slow_start = False
         full = bool(load.max_running) and running >= (load.max_running or 0)
