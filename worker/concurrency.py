@@ -10,7 +10,8 @@ without oscillating:
 - shrink ×0.7 on new retractions/preemptions, ×0.85 on a long waiting queue or a growing one,
   and by its share of the excess as soon as every batch slot the server has (``max_running``;
   learned from its queue where it does not say, vLLM) is busy and more wait than refill the
-  slots that free between two steps: such a queue adds latency, not work (a server that does
+  slots as they free (a few; more, up to the slots, where slots are seen idle while this worker's
+  jobs are on their way): such a queue adds latency, not work (a server that does
   not publish its queue, llama.cpp without /metrics: down to the slots when this worker alone
   has more in flight than it has);
 - hold while a small queue keeps the batch fed, the KV cache is nearly full, every slot is busy,
