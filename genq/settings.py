@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,12 +97,26 @@ def secret(name: str) -> str | None:
     """A secret from the file named by ``GENQ_<NAME>_FILE``, else from ``GENQ_<NAME>``.
 
     Secrets never come from flags: a command line shows in ``ps`` and in shell history. The file
-    is read again at every call, so a rotated secret is picked up without a restart.
+    is looked at again at every call (a worker asks once per request), so a rotated secret is
+    picked up without a restart; it is read again when it changed (another inode, size or
+    modification time: a rename over it, a rewrite) and at least every SECRET_FRESH_S (a rewrite
+    of the same size within one tick of the file system's clock keeps its time).
     """
     path = os.environ.get(f"{ENV_PREFIX}{name}_FILE")
     if path:
-        return Path(path).read_text().strip() or None
+        stat = os.stat(path)
+        version = (path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        now = time.monotonic()
+        known = _SECRETS.get(name)
+        if known is None or known[0] != version or now - known[1] > SECRET_FRESH_S:
+            known = _SECRETS[name] = (version, now, Path(path).read_text().strip() or None)
+        return known[2]
     return os.environ.get(f"{ENV_PREFIX}{name}") or None
+
+
+SECRET_FRESH_S = 1.0
+# name: (the file's version, when it was read, the secret)
+_SECRETS: dict[str, tuple[tuple[str, int, int, int], float, str | None]] = {}
 
 
 def server_api_key() -> str | None:
