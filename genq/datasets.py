@@ -31,6 +31,10 @@ class DatasetSettings:
     # How rows become prompts (format, field mapping, tokenizer and template, system prompt, think
     # markers, ...): only the settings that differ from the defaults, so older recipes still match.
     prompting: dict[str, Any] = field(default_factory=dict)
+    # The check stage (enqueue --checked / --accept K): {} when records go straight to the collector;
+    # else {"accept": K}, K None to judge every sample and draw no more, or a number: draw K samples a
+    # prompt and one more for each not accepted, until K are or ``samples`` (the most) were drawn.
+    check: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Settings read from Redis or a file are untrusted input: each field of the type genq
@@ -44,10 +48,16 @@ class DatasetSettings:
             ("sources", isinstance(self.sources, list) and all(isinstance(x, str) for x in self.sources)),
             ("created_at", isinstance(self.created_at, str)),
             ("prompting", isinstance(self.prompting, dict)),
+            ("check", isinstance(self.check, dict) and set(self.check) <= {"accept"}),
         )
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"field {name!r} is {getattr(self, name)!r:.60}, not what genq writes")
+        accept = self.check.get("accept")
+        if accept is not None and not (
+            isinstance(accept, int) and not isinstance(accept, bool) and 1 <= accept <= self.samples
+        ):
+            raise ValueError(f"check field 'accept' is {accept!r:.60}, not a whole number in [1, samples]")
         most = self.sampling_params.get("max_new_tokens")
         if not isinstance(most, int) or isinstance(most, bool) or most < 1:
             raise ValueError(
@@ -56,8 +66,20 @@ class DatasetSettings:
 
     def recipe(self) -> dict[str, Any]:
         """What must match between two enqueues of the same dataset."""
-        recipe = {"samples": self.samples, "sampling_params": self.sampling_params}
+        recipe: dict[str, Any] = {"samples": self.samples, "sampling_params": self.sampling_params}
+        if self.check:
+            recipe["check"] = self.check
         return {**recipe, "prompting": self.prompting} if self.prompting else recipe
+
+    @property
+    def checked(self) -> bool:
+        """Its records pass the check stage (``genq check``) before the collector files them."""
+        return bool(self.check)
+
+    @property
+    def first_draw(self) -> int:
+        """Samples enqueued a prompt at first: K under --accept K, else all of them."""
+        return self.check.get("accept") or self.samples
 
 
 class SettingsMismatch(Exception):

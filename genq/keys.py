@@ -6,6 +6,14 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``results:<name>``         stream the dataset's records and errors on their way to disk (one stream per
                                     dataset, so each can drain through its own collector)
 - ``in_stream``              hash   dataset -> entries in its stream (moves with the stream, in one MULTI)
+- ``unchecked:<name>``       stream a checked dataset's endings on their way to ``genq check`` (group
+                                    ``checkers``), which moves each to ``results:<name>`` with its verdict
+- ``in_check``               hash   dataset -> entries in its unchecked stream
+- ``ds:<name>:checked``      bitmap jobs whose verdict is in the results stream (a verdict applied twice
+                                    is dropped: the check commit is idempotent)
+- ``ds:<name>:draws``        hash   ``a<row>``: samples of the row accepted, ``d<row>``: samples drawn
+                                    beyond the first K (``enqueue --accept K``; absent: none yet)
+- ``ds:<name>:check_tries``  hash   unchecked entry id -> times a checker took it up (bounded)
 - ``dead:<name>``            stream entries of its stream that were not a worker's (genq/entries.py): their
                                     fields (cut), why, when; ``quarantined`` hash: dataset -> how many ever
 - ``in_source``              hash   dataset -> jobs not enqueued yet, still in its files (``enqueue
@@ -113,6 +121,26 @@ class Keys:
     @property
     def quarantined(self) -> str:
         return self.prefix + "quarantined"
+
+    def unchecked(self, dataset: str) -> str:
+        return f"{self.prefix}unchecked:{dataset}"
+
+    @property
+    def checkers_group(self) -> str:
+        return "checkers"
+
+    @property
+    def in_check(self) -> str:
+        return self.prefix + "in_check"
+
+    def checked(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:checked"
+
+    def draws(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:draws"
+
+    def check_tries(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:check_tries"
 
     @property
     def in_source(self) -> str:
@@ -234,7 +262,7 @@ class Keys:
         shared = {
             self.datasets: "hash", self.in_stream: "hash", self.quarantined: "hash", self.in_source: "hash",
             self.attempts: "hash", self.spared: "hash", self.crashes: "hash", self.turns: "hash",
-            self.pieces: "hash",
+            self.pieces: "hash", self.in_check: "hash",
             self.collector_offsets: "hash", self.maintenance_lock: "string",
         }  # fmt: skip
         for name in datasets:
@@ -244,5 +272,7 @@ class Keys:
                 self.sources(name): "hash", self.tokens(name): "hash", self.collector_lease(name): "string",
                 self.collector_ready(name): "string", self.enqueuing(name): "string",
                 self.extending(name): "string", self.servers(name): "hash", self.provenance(name): "hash",
+                self.unchecked(name): "stream", self.checked(name): "string", self.draws(name): "hash",
+                self.check_tries(name): "hash",
             })  # fmt: skip
         return shared

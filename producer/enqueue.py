@@ -30,17 +30,16 @@ import orjson
 import redis
 from redis.client import Pipeline
 
-from genq import datasets, provenance, sources
+from genq import datasets, provenance, rq_jobs, sources
 from genq.bitmaps import is_set, set_bits
 from genq.connection import redact
 from genq.conversation import first_turn
 from genq.keys import Keys
 from genq.queues import rq_queue
 from genq.redis_errors import Outage, patiently
-from genq.schema import ABANDON_REQUEUES, JobSpec, bit_index, now_iso, record_id
+from genq.schema import JobSpec, bit_index, now_iso, record_id
 from genq.sources import SourceError
 from genq.templates import ChatTemplate
-from producer import rq_jobs
 from producer.context import Limits, check_fits, check_recipe, check_vocab
 from producer.fingerprints import Fingerprints
 from producer.formats import Shape
@@ -57,11 +56,6 @@ _QUOTED_VALUE = re.compile(r"(?<=: )'[^']*'|\"[^\"]*\"")
 REASON_CHARS = 120
 RENDER_BATCH = 256  # conversations per apply_chat_template call
 POLL_S = 0.05  # how often a full queue is looked at again (--max-queued): one LLEN
-JOBS = rq_jobs.JobOptions(
-    timeout=-1,  # the worker enforces deadlines that follow max_new_tokens (decision 8)
-    result_ttl=60,  # the record travels through the stream; RQ keeps the finished job a minute
-    retries=ABANDON_REQUEUES,
-)
 
 Report = Callable[[str], None]
 
@@ -387,7 +381,7 @@ class _Pusher:
 
     def _queue_push(self, pipe: Pipeline, batch: list[tuple[int, rq_jobs.Job]]) -> None:
         name = self.settings.name
-        rq_jobs.push(pipe, self.queue, [job for _, job in batch], JOBS)
+        rq_jobs.push(pipe, self.queue, [job for _, job in batch], rq_jobs.JOBS)
         set_bits(pipe, self.keys.enqueued(name), [index for index, _ in batch])
         if self.expected_jobs is not None:
             # Jobs of the rows after this batch: still in the files (`genq status` counts them queued).

@@ -22,6 +22,7 @@ import orjson
 import redis
 from rq.registry import FailedJobRegistry
 
+from genq import rq_jobs
 from genq.bitmaps import is_set, set_bits
 from genq.datasets import DatasetSettings
 from genq.keys import Keys
@@ -29,8 +30,6 @@ from genq.openai_batch import RECORD_KEY as BATCH_KEY
 from genq.pieces import Progress
 from genq.queues import rq_queue
 from genq.schema import ID_AT_START, JobSpec, bit_index, parse_record_id
-from producer import rq_jobs
-from producer.enqueue import JOBS
 
 BATCH = 500
 
@@ -185,7 +184,7 @@ def _push(
                 pipe.hdel(state, job_id)
             pipe.hset(keys.pieces, job_id, progress.to_json())
             batch.append((job_id, spec.to_kwargs(), f"{spec.id}: continued to {spec.continue_to}"))
-        rq_jobs.push(pipe, queue, batch, JOBS)
+        rq_jobs.push(pipe, queue, batch, rq_jobs.JOBS)
         set_bits(pipe, keys.extending(name), [index for index, _, _ in jobs])
         pipe.execute()
     return len(jobs)

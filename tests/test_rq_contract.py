@@ -360,28 +360,27 @@ def test_a_commit_sent_again_after_its_reply_was_lost_writes_nothing_twice(conn,
 
 
 def test_jobs_pushed_by_genq_read_back_as_rqs_enqueue_many_writes_them(conn, redis_url, namespace):
-    """producer/rq_jobs.py writes RQ's job hashes itself. A short and a long job each, pushed by
+    """genq/rq_jobs.py writes RQ's job hashes itself. A short and a long job each, pushed by
     RQ's enqueue_many and by genq: RQ must read every attribute back alike, queue them in order,
     and `rq info` count them; genq's hashes only leave out fields RQ writes empty."""
     from rq import Queue, Retry
     from rq.job import Job
 
+    from genq import rq_jobs
     from genq.schema import JOB_FUNC
-    from producer import rq_jobs
-    from producer.enqueue import JOBS
 
     kwargs = {"short": {"id": "s", "input_ids": [1, 2]}, "long": {"id": "l", "input_ids": list(range(400))}}
     theirs = Queue(f"{namespace}.theirs", connection=conn, serializer="json")
     ours = Queue(f"{namespace}.ours", connection=conn, serializer="json")
-    retry = Retry(max=JOBS.retries, interval=JOBS.retry_interval)
+    retry = Retry(max=rq_jobs.JOBS.retries, interval=rq_jobs.JOBS.retry_interval)
     jobs = [
         theirs.prepare_data(
             JOB_FUNC,
             kwargs=kw,
             job_id=f"{namespace}-theirs-{name}",
             description=name,
-            timeout=JOBS.timeout,
-            result_ttl=JOBS.result_ttl,
+            timeout=rq_jobs.JOBS.timeout,
+            result_ttl=rq_jobs.JOBS.result_ttl,
             retry=retry,
         )
         for name, kw in kwargs.items()
@@ -390,7 +389,7 @@ def test_jobs_pushed_by_genq_read_back_as_rqs_enqueue_many_writes_them(conn, red
         theirs.enqueue_many(jobs, pipeline=pipe)
         pipe.execute()
     with conn.pipeline() as pipe:
-        rq_jobs.push(pipe, ours, [(f"{namespace}-ours-{n}", kw, n) for n, kw in kwargs.items()], JOBS)
+        rq_jobs.push(pipe, ours, [(f"{namespace}-ours-{n}", kw, n) for n, kw in kwargs.items()], rq_jobs.JOBS)
         pipe.execute()
 
     for name in kwargs:
@@ -404,7 +403,11 @@ def test_jobs_pushed_by_genq_read_back_as_rqs_enqueue_many_writes_them(conn, red
         assert (
             (b.func_name, b.args, b.kwargs) == (a.func_name, a.args, a.kwargs) == (JOB_FUNC, [], kwargs[name])
         )
-        assert b.get_status() == "queued" and b.retries_left == JOBS.retries and b.timeout == JOBS.timeout
+        assert (
+            b.get_status() == "queued"
+            and b.retries_left == rq_jobs.JOBS.retries
+            and b.timeout == rq_jobs.JOBS.timeout
+        )
         theirs_fields = {k for k, v in conn.hgetall(a.key).items() if v != b""}
         assert set(conn.hgetall(b.key)) <= theirs_fields
     assert ours.get_job_ids() == [f"{namespace}-ours-{n}" for n in kwargs]
@@ -543,12 +546,10 @@ def test_each_step_leaves_the_whole_state_rqs_own_worker_leaves(conn, namespace,
     from rq import Queue, Worker
     from rq.utils import now
 
-    from genq import datasets
+    from genq import datasets, rq_jobs
     from genq.keys import Keys
     from genq.reaper import reap
     from genq.schema import KIND_ERROR, KIND_RECORD, JobSpec
-    from producer import rq_jobs
-    from producer.enqueue import JOBS
     from worker import rq_batch
     from worker.rq_worker import Bookkeeper, Finished
 
@@ -559,7 +560,7 @@ def test_each_step_leaves_the_whole_state_rqs_own_worker_leaves(conn, namespace,
     for queue, dataset in ((theirs_q, "theirs"), (ours_q, "ours")):
         spec = JobSpec(dataset, 0, 0, f"{dataset}-0", {"max_new_tokens": 8}, input_ids=[1, 2, 3])
         with conn.pipeline() as pipe:
-            rq_jobs.push(pipe, queue, [(keys.job_id(spec.id), spec.to_kwargs(), spec.id)], JOBS)
+            rq_jobs.push(pipe, queue, [(keys.job_id(spec.id), spec.to_kwargs(), spec.id)], rq_jobs.JOBS)
             pipe.execute()
     theirs_id, ours_id = keys.job_id("theirs-0"), keys.job_id("ours-0")
 

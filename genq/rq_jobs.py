@@ -20,7 +20,7 @@ from rq import Queue
 from rq.job import JobStatus
 from rq.utils import now, utcformat
 
-from genq.schema import JOB_FUNC
+from genq.schema import ABANDON_REQUEUES, JOB_FUNC
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,25 @@ COMPRESS_FROM = 256
 Job = tuple[str, dict[str, Any], str]  # id, the function's kwargs, description
 
 
+# What genq's enqueues write: the worker enforces deadlines that follow max_new_tokens (decision 8),
+# the record travels through the stream (RQ keeps the finished job a minute), an abandoned job is
+# requeued this many times.
+JOBS = JobOptions(timeout=-1, result_ttl=60, retries=ABANDON_REQUEUES)
+
+
 def push(pipe: Pipeline, queue: Queue, jobs: list[Job], options: JobOptions) -> None:
     """Queue ``jobs`` (id, the function's kwargs, description) at the back of ``queue``."""
+    shared = shared_fields(queue, options)
+    pipe.sadd(queue.redis_queues_keys, queue.key)
+    for job_id, kwargs, description in jobs:
+        pipe.hset(job_key(queue, job_id), mapping=job_fields(shared, kwargs, description))
+    pipe.rpush(queue.key, *(job_id for job_id, _, _ in jobs))
+
+
+def shared_fields(queue: Queue, options: JobOptions) -> dict[str, Any]:
+    """The fields of a job hash every job queued now on ``queue`` shares."""
     stamp = utcformat(now())
-    shared = {
+    return {
         "created_at": stamp,
         "enqueued_at": stamp,
         "origin": queue.name,
@@ -51,15 +66,17 @@ def push(pipe: Pipeline, queue: Queue, jobs: list[Job], options: JobOptions) -> 
         "retries_left": options.retries,
         "retry_intervals": f"[{options.retry_interval}]",
     }
-    pipe.sadd(queue.redis_queues_keys, queue.key)
-    for job_id, kwargs, description in jobs:
-        # RQ's payload: the JSON serializer's (func, instance, args, kwargs), zlib-compressed
-        # as RQ does, unless it is too short to gain (RQ reads a payload that is not zlib as is).
-        data = orjson.dumps([JOB_FUNC, None, [], kwargs])
-        if len(data) >= COMPRESS_FROM:
-            data = zlib.compress(data, 1)
-        pipe.hset(
-            f"{queue.job_class.redis_job_namespace_prefix}{job_id}",
-            mapping={**shared, "data": data, "description": description},
-        )
-    pipe.rpush(queue.key, *(job_id for job_id, _, _ in jobs))
+
+
+def job_fields(shared: dict[str, Any], kwargs: dict[str, Any], description: str) -> dict[str, Any]:
+    """One job's hash: RQ's payload, the JSON serializer's (func, instance, args, kwargs),
+    zlib-compressed as RQ does unless it is too short to gain (RQ reads a payload that is not zlib
+    as is)."""
+    data = orjson.dumps([JOB_FUNC, None, [], kwargs])
+    if len(data) >= COMPRESS_FROM:
+        data = zlib.compress(data, 1)
+    return {**shared, "data": data, "description": description}
+
+
+def job_key(queue: Queue, job_id: str) -> str:
+    return f"{queue.job_class.redis_job_namespace_prefix}{job_id}"
