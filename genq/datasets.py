@@ -105,6 +105,7 @@ def settings_for(
     sampling_params: dict[str, Any],
     samples: int,
     prompting: dict[str, Any] | None = None,
+    check: dict[str, Any] | None = None,
 ) -> DatasetSettings:
     """The settings an enqueue of ``paths`` as dataset ``name`` records."""
     return DatasetSettings(
@@ -113,6 +114,7 @@ def settings_for(
         sampling_params=sampling_params,
         sources=[p.name for p in paths],
         prompting=prompting or {},
+        check=check or {},
     )
 
 

@@ -23,9 +23,17 @@ from genq.keys import Keys
 from genq.schema import KIND_ERROR, KIND_RECORD, bit_index, dumps, loads, now_iso, record_id
 
 # The fields of a result-stream entry: its kind, the record id, the record or error as JSON, and
-# the packed logprobs when asked for (genq/logprobs.py).
+# the packed logprobs when asked for (genq/logprobs.py). A checked dataset's entry also carries, in
+# its unchecked stream, the job's payload (the check stage draws more samples from it), and in its
+# results stream the verdict (JSON: status, score, reason, the checker).
 ENTRY_KIND, ENTRY_ID, ENTRY_DATA, ENTRY_LOGPROBS = "kind", "id", "data", "lp"
+ENTRY_SPEC, ENTRY_VERDICT = "spec", "verdict"
 _KIND, _ID, _DATA, _LOGPROBS = (f.encode() for f in (ENTRY_KIND, ENTRY_ID, ENTRY_DATA, ENTRY_LOGPROBS))
+_VERDICT = ENTRY_VERDICT.encode()
+# What the check stage made of a checked dataset's ending: accepted (filed with the records), not
+# accepted, accepted beyond the K a prompt needs, the checker failing on it every time it was
+# tried, and a generation that failed (an error: nothing to judge).
+VERDICTS = ("accepted", "rejected", "surplus", "check_failed", "unjudged")
 KINDS = (KIND_RECORD, KIND_ERROR)
 # A record's JSON can be large (a 32k-token output's text and ids are well under 1 MiB); anything
 # past this is not one, and is not parsed.
@@ -52,13 +60,19 @@ class Entry:
     data: dict[str, Any]
     logprobs: bytes | None
     index: int  # the job's bit in the dataset's bitmaps
+    verdict: dict[str, Any] | None = None  # a checked dataset's: what genq check made of it
 
 
-def stream_entry(kind: bytes, rid: str, data: dict[str, Any], logprobs: bytes | None) -> dict:
-    """The fields to XADD for one finished job; "lp" only when there are logprobs."""
+def stream_entry(
+    kind: bytes, rid: str, data: dict[str, Any], logprobs: bytes | None, spec: dict[str, Any] | None = None
+) -> dict:
+    """The fields to XADD for one finished job; "lp" only when there are logprobs, "spec" (the job's
+    payload) only on the way to the check stage."""
     entry: dict[str, Any] = {ENTRY_KIND: kind, ENTRY_ID: rid, ENTRY_DATA: dumps(data)}
     if logprobs is not None:
         entry[ENTRY_LOGPROBS] = logprobs
+    if spec is not None:
+        entry[ENTRY_SPEC] = dumps(spec)
     return entry
 
 
@@ -95,7 +109,17 @@ def read_entry(fields: dict[bytes, bytes], dataset: str, samples: int) -> Entry:
         raise BadEntry(f"field {ENTRY_ID!r} and data field 'id' are not both {want!r}, row {row}'s id")
     if kind == KIND_ERROR and not isinstance(data.get("error"), str):
         raise BadEntry(f"an error whose data field 'error' is {_shown(data.get('error'))}, not a string")
-    return Entry(kind, want, data, fields.get(_LOGPROBS), index)
+    verdict = None
+    if (raw_verdict := fields.get(_VERDICT)) is not None:
+        try:
+            verdict = loads(raw_verdict)
+        except orjson.JSONDecodeError:
+            verdict = None
+        if not isinstance(verdict, dict) or verdict.get("status") not in VERDICTS:
+            raise BadEntry(
+                f"field {ENTRY_VERDICT!r} is {_shown(raw_verdict)}, not a verdict genq check writes"
+            )
+    return Entry(kind, want, data, fields.get(_LOGPROBS), index, verdict)
 
 
 def _count(value: object) -> bool:
@@ -110,11 +134,14 @@ def _shown(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + f"… ({len(text):,} characters)"
 
 
-def quarantine(pipe: Pipeline, keys: Keys, dataset: str, entry_id: bytes, fields: dict, why: str) -> None:
-    """Queue, in ``pipe`` (a MULTI), the move of one entry of ``dataset``'s stream to its dead
-    letter: its fields (each cut to KEPT_BYTES), the reason, where and when it was found; counted
-    in ``quarantined``, then acknowledged and deleted from the stream."""
-    stream = keys.results(dataset)
+def quarantine(
+    pipe: Pipeline, keys: Keys, dataset: str, entry_id: bytes, fields: dict, why: str, checked: bool = False
+) -> None:
+    """Queue, in ``pipe`` (a MULTI), the move of one entry of ``dataset``'s stream (its unchecked
+    stream: ``checked``, the check stage's) to its dead letter: its fields (each cut to KEPT_BYTES),
+    the reason, where and when it was found; counted in ``quarantined``, then acknowledged and
+    deleted from the stream."""
+    stream = keys.unchecked(dataset) if checked else keys.results(dataset)
     letter: dict[bytes | str, bytes | str] = {
         "stream": stream,
         "entry": entry_id,
@@ -128,7 +155,7 @@ def quarantine(pipe: Pipeline, keys: Keys, dataset: str, entry_id: bytes, fields
             letter[b"size:" + name] = str(len(value))
     pipe.xadd(keys.dead_letter(dataset), letter, maxlen=DEAD_LETTER_LEN, approximate=True)
     pipe.hincrby(keys.quarantined, dataset, 1)
-    pipe.xack(stream, keys.results_group, entry_id)
+    pipe.xack(stream, keys.checkers_group if checked else keys.results_group, entry_id)
     pipe.xdel(stream, entry_id)
 
 

@@ -122,6 +122,7 @@ class JobSpec:
     # An extension (genq retry --truncated): the completion_tokens of the record it supersedes; its
     # output so far is the job's checkpoint in Redis (genq/pieces.py), put there with it.
     extends: int | None = None
+    fields: dict[str, Any] | None = None  # the row's own fields kept for the check stage (--keep-field)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_kwargs(self) -> dict[str, Any]:
@@ -175,7 +176,7 @@ _SPEC_TYPES: dict[str, type] = {
     "dataset": str, "row": int, "sample": int, "id": str, "sampling_params": dict, "input_ids": list,
     "text": str, "source_id": str, "messages": list, "think": dict, "keep_prompt": bool, "turns": str,
     "template": dict, "logprobs": int, "batch": dict, "tools": list, "chat_template_kwargs": dict,
-    "continue_to": int, "extends": int, "extra": dict,
+    "continue_to": int, "extends": int, "fields": dict, "extra": dict,
 }  # fmt: skip
 _KIND_WORDS = {
     str: "a string",

@@ -123,6 +123,35 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
 @option(
     "--keep-prompt/--no-keep-prompt", default=True, help="Keep input_ids and the conversation in records."
 )
+@option(
+    "--keep-field",
+    "keep_fields",
+    multiple=True,
+    metavar="NAME",
+    help="Copy this field of each row into its records as fields.NAME (a reference answer a checker "
+    "compares with); a row without it is refused. Repeatable.",
+)
+@option(
+    "--checked",
+    is_flag=True,
+    help="Records pass the check stage (`genq check`, the host's own checker) before the collector "
+    "files them: accepted ones in raw_responses.jsonl, the others in rejected_samples.jsonl.",
+)
+@option(
+    "--accept",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="K",
+    help="Checked, and sampled until K samples of each prompt are accepted: K drawn at first, one more "
+    "for each not accepted, never more than --max-samples (needs it; instead of --samples).",
+)
+@option(
+    "--max-samples",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="M",
+    help="With --accept: the most samples drawn for one prompt.",
+)
 @sampling_options
 @option("--replace-settings", is_flag=True, help="Allow other settings for an existing dataset.")
 @option(
@@ -221,6 +250,10 @@ def enqueue_command(
     logprobs,
     continue_to,
     keep_prompt,
+    keep_fields,
+    checked,
+    accept,
+    max_samples,
     sampling: Sampling,
     replace_settings,
     register_only,
@@ -300,6 +333,7 @@ def enqueue_command(
                 f"--format {fmt} needs --tokenizer (genq does not guess a chat template), "
                 "or --backend openai-chat"
             )
+    samples, check = check_stage(checked, accept, max_samples, sampling.samples)
     if dry_run and register_only:
         raise click.UsageError("--dry-run records nothing: it cannot go with --register-only")
     if clip_max_new_tokens and limits.context_length is None:
@@ -333,6 +367,7 @@ def enqueue_command(
         chat=template is not None or server_renders,
         server_renders=server_renders,
         turns=turns,
+        keep_fields=tuple(dict.fromkeys(keep_fields)),
     )
     row_base = None
     try:
@@ -359,11 +394,12 @@ def enqueue_command(
         max_row_bytes=max_row_bytes,
         row_base=row_base,
         continue_to=continue_to,
+        check=check,
         # The server renders (a chat backend): the template's switches go with each request.
         server_kwargs=chat_template_kwargs if server_renders and chat_template_kwargs else None,
     )
     if dry_run:
-        report_dry_run(name, paths, params, sampling.samples, options)
+        report_dry_run(name, paths, params, samples, options)
         return
     conn = connect(redis_url)
     try:
@@ -383,7 +419,7 @@ def enqueue_command(
             paths,
             name,
             params,
-            sampling.samples,
+            samples,
             options,
             replace_settings,
             report=lambda line: click.echo(line, err=True),
@@ -439,6 +475,24 @@ def rows_recipe(params: dict[str, Any], where: str, own: dict[str, Any]) -> dict
                 "has one recipe (decision 12); drop the flag, or change the file"
             )
     return {**params, **own}
+
+
+def check_stage(checked: bool, accept: int | None, max_samples: int | None, samples: int) -> tuple[int, dict]:
+    """(samples a prompt at most, the dataset's check settings) from --checked, --accept K,
+    --max-samples M and --samples."""
+    if accept is None:
+        if max_samples is not None:
+            raise click.UsageError("--max-samples goes with --accept K")
+        return samples, {"accept": None} if checked else {}
+    if samples != 1:
+        raise click.UsageError(
+            "--accept K draws samples until K are accepted: use --max-samples, not --samples"
+        )
+    if max_samples is None:
+        raise click.UsageError("--accept K needs --max-samples M, the most samples drawn for one prompt")
+    if max_samples < accept:
+        raise click.UsageError(f"--max-samples {max_samples} is under --accept {accept}")
+    return max_samples, {"accept": accept}
 
 
 def report_dry_run(

@@ -81,6 +81,7 @@ class Options:
     # tokenizer they are the template's own (template.kwargs).
     server_kwargs: dict[str, Any] | None = None
     continue_to: int | None = None  # outputs continued in pieces up to this many tokens (worker/pieces.py)
+    check: dict[str, Any] = field(default_factory=dict)  # the check stage (DatasetSettings.check)
 
     def prompting(self) -> dict[str, Any]:
         """The dataset settings (decision 12) these options fix; defaults left out."""
@@ -102,6 +103,7 @@ class Options:
             "clip_max_new_tokens": self.clip or None,
             "split": self.split,
             "continue_to": self.continue_to,
+            "keep_fields": list(shape.keep_fields) or None,
         }
         return {k: v for k, v in values.items() if v is not None}
 
@@ -242,7 +244,7 @@ def _fresh(
         summary.read += 1
         todo = []
         if isinstance(item, Row):
-            for sample in range(samples):
+            for sample in range(settings.first_draw):  # under --accept K, the rest are drawn later
                 index = bit_index(item.row, sample, samples)
                 if is_set(known, index) or is_set(done, index):
                     summary.skipped += 1
@@ -316,7 +318,7 @@ class _Pusher:
         self.lease, self.prints = lease, prints
         self.queue = rq_queue(conn, keys, settings.name)
         self.size = BATCH if options.max_queued is None else max(1, min(BATCH, options.max_queued // 2))
-        self.expected_jobs = expected_rows * settings.samples if expected_rows is not None else None
+        self.expected_jobs = expected_rows * settings.first_draw if expected_rows is not None else None
         self.batch: list[tuple[int, rq_jobs.Job]] = []
         self.rejected: list[int] = []
         self.outage = Outage(log, conn, keys)
@@ -324,7 +326,7 @@ class _Pusher:
     def reject(self, row: int) -> None:
         """Remember a row refused here, so `genq verify` tells it from a row never enqueued."""
         samples = self.settings.samples
-        self.rejected.extend(bit_index(row, k, samples) for k in range(samples))
+        self.rejected.extend(bit_index(row, k, samples) for k in range(self.settings.first_draw))
         if len(self.rejected) >= self.size:
             self.flush_rejected()
 
@@ -418,6 +420,7 @@ class _Pusher:
             tools=prompt.tools,
             chat_template_kwargs=options.server_kwargs,
             continue_to=options.continue_to,
+            fields=prompt.fields,
         )
         described = f"{settings.name} row {item.row}" + (f" sample {sample}" if settings.samples > 1 else "")
         return self.keys.job_id(spec.id), spec.to_kwargs(), described
@@ -474,7 +477,9 @@ def enqueue_dataset(
     With ``max_queued`` the sources are counted first (cheaply: Parquet and saved datasets from
     their metadata, JSON Lines by counting lines) so `genq status` shows the full total at once.
     """
-    wanted = datasets.settings_for(dataset, paths, sampling_params, samples, options.prompting())
+    wanted = datasets.settings_for(
+        dataset, paths, sampling_params, samples, options.prompting(), options.check
+    )
     register = lambda: datasets.register(conn, keys, wanted, replace=replace_settings)  # noqa: E731
     settings = patiently(register, Outage(log, conn, keys))  # HSETNX first: registering again changes nothing
     patiently(lambda: record_command(conn, keys, dataset), Outage(log, conn, keys))

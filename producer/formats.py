@@ -92,6 +92,7 @@ class Prompt:
     sampling: dict[str, Any] | None = None  # an openai-batch row's own sampling (genq's names)
     batch: dict[str, Any] | None = None  # an openai-batch row's url and model, kept in the record
     tools: list[dict[str, Any]] | None = None  # the row's function declarations, for the template
+    fields: dict[str, Any] | None = None  # the row's own fields kept for the check stage (--keep-field)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class Shape:
     chat: bool = False  # conversations can be sent: a tokenizer renders them, or the server does
     server_renders: bool = False  # the server renders them (a chat backend): no token ids here
     turns: str = "last"  # "all": every user turn is answered in order (genq/conversation.py)
+    keep_fields: tuple[str, ...] = ()  # the row's fields copied into its records (a checker's reference)
 
     def col(self, name: str) -> str:
         return self.fields.get(name, name)
@@ -115,7 +117,16 @@ class Shape:
         return next((f for f in FORMATS if self.col(KEY_COLUMN[f]) in data), None)
 
     def parse(self, data: Any) -> tuple[str, Prompt]:
-        """(format, prompt) of one row; raises :class:`RowError` naming the field."""
+        """(format, prompt) of one row, with its kept fields; raises :class:`RowError` naming the field."""
+        fmt, prompt = self._parse(data)
+        if self.keep_fields:
+            missing = [name for name in self.keep_fields if name not in data]
+            if missing:
+                raise RowError(f"field '{missing[0]}': missing (--keep-field {missing[0]})")
+            prompt.fields = {name: data[name] for name in self.keep_fields}
+        return fmt, prompt
+
+    def _parse(self, data: Any) -> tuple[str, Prompt]:
         if not isinstance(data, dict):
             raise RowError(f"expected a JSON object, got {_type(data)}")
         fmt = self.detect(data)

@@ -34,6 +34,8 @@ def build_record(
         extra["messages"] = spec.messages or ([{"role": "user", "content": spec.text}] if spec.text else None)
     if spec.batch is not None:  # an OpenAI Batch request: its export answers in the request's shape
         extra[BATCH_KEY] = spec.batch
+    if spec.fields is not None:  # the row's fields a checker compares with (enqueue --keep-field)
+        extra["fields"] = spec.fields
     if spec.tools is not None:  # the functions the model was offered: part of the prompt, for exports
         extra["tools"] = spec.tools
     if answer.finish_length is not None:

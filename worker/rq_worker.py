@@ -108,6 +108,7 @@ class Bookkeeper(BaseWorker):
         # Why this worker leaves a dataset's jobs queued (None: it serves them); set by the daemon.
         self.declines: Callable[[datasets.DatasetSettings], str | None] = lambda settings: None
         self._declined: set[str] = set()
+        self._checked: set[str] = set()  # datasets whose endings go to the check stage first
 
     def log_context(self, t: Taken | None = None) -> dict[str, Any]:
         """The context of a log line (fields of --log-format json)."""
@@ -144,6 +145,8 @@ class Bookkeeper(BaseWorker):
         names = []
         for name, settings in datasets.load_all(self.connection, self.keys).items():
             why = self.declines(settings)
+            if settings.checked:
+                self._checked.add(name)
             if why is None:
                 names.append(self.keys.queue_name(name))
             elif name not in self._declined:
@@ -171,7 +174,7 @@ class Bookkeeper(BaseWorker):
         self._rotation = (self._rotation + 1) % max(1, len(self._ordered_queues))
         if not queues:
             return [], []
-        streams = [(q, self.keys.results(self._dataset(q))) for q in queues]
+        streams = [(q, self._stream(self._dataset(q))) for q in queues]
         keys = (self.key, self.keys.crashes, self.keys.attempts, rq_batch.executions_index(self.name))
         full, popped = rq_batch.take(
             self._take_script,
@@ -393,13 +396,19 @@ class Bookkeeper(BaseWorker):
 
     # -- endings ----------------------------------------------------------------------------
 
+    def _stream(self, dataset: str) -> str:
+        """Where a dataset's endings go: its results stream, or first the check stage's."""
+        return self.keys.unchecked(dataset) if dataset in self._checked else self.keys.results(dataset)
+
     def _hand_over(self, pipe, finished: list[Finished]) -> None:
-        """Add results to the stream, counted per dataset, and forget the jobs' attempt counters."""
+        """Add results to the stream (a checked dataset's with the job's payload, from which the
+        check stage draws more samples), counted per dataset, and forget the jobs' attempt counters."""
         for f in finished:
-            entry = stream_entry(f.kind, f.taken.spec.id, f.data, f.logprobs)
-            pipe.xadd(self.keys.results(f.taken.spec.dataset), entry)
+            dataset = f.taken.spec.dataset
+            spec = f.taken.spec.to_kwargs() if dataset in self._checked else None
+            pipe.xadd(self._stream(dataset), stream_entry(f.kind, f.taken.spec.id, f.data, f.logprobs, spec))
         for dataset, n in Counter(f.taken.spec.dataset for f in finished).items():
-            pipe.hincrby(self.keys.in_stream, dataset, n)
+            pipe.hincrby(self.keys.in_check if dataset in self._checked else self.keys.in_stream, dataset, n)
         for counter in self.keys.job_state:
             pipe.hdel(counter, *(f.taken.job.id for f in finished))
 

@@ -66,6 +66,10 @@ _RUN_OWN = {
     "namespace",
     "register_only",  # run registers each dataset itself before its collector starts
     "rejects",  # run writes them to OUT/<dataset>/rejected.jsonl
+    # The check stage runs the host's own checker: `genq enqueue --checked`, `genq check` beside.
+    "checked",
+    "accept",
+    "max_samples",
 }
 
 
