@@ -27,7 +27,16 @@ from genq.bitmaps import is_set, set_bits
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS
 from genq.logprobs import frames as logprobs_frames
-from genq.schema import ERRORS, KIND_ERROR, KIND_RECORD, RAW, bit_index, extends, parse_record_id
+from genq.schema import (
+    ERRORS,
+    KIND_ERROR,
+    KIND_RECORD,
+    RAW,
+    REJECTED_SAMPLES,
+    bit_index,
+    extends,
+    parse_record_id,
+)
 
 log = logging.getLogger("genq.collector")
 
@@ -73,7 +82,11 @@ class Reconciler:
             try:
                 sizes: dict[str, int] = {}
                 marked: set[int] = set()
-                for kind, filename in ((KIND_ERROR, ERRORS), (KIND_RECORD, RAW)):
+                for kind, filename in (
+                    (KIND_ERROR, ERRORS),
+                    (KIND_RECORD, RAW),
+                    (KIND_RECORD, REJECTED_SAMPLES),
+                ):
                     path = self.out / name / filename
                     cut = cut_torn_tail(path)
                     if cut:

@@ -12,6 +12,7 @@ re-reading files into Redis collector/reconcile.py, RQ's failed jobs collector/r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -35,7 +36,7 @@ from genq.logprobs import FILE as LOGPROBS
 from genq.logprobs import check as check_frame
 from genq.logprobs import without_frame
 from genq.queues import count_unfinished, rq_queue
-from genq.schema import ERRORS, KIND_ERROR, KIND_RECORD, RAW, bit_index, extends
+from genq.schema import ERRORS, KIND_ERROR, KIND_RECORD, RAW, REJECTED_SAMPLES, bit_index, extends
 
 log = logging.getLogger("genq.collector")
 
@@ -58,6 +59,15 @@ class Item:
     logprobs: bytes | None = None  # the record's frame for logprobs.bin (genq/logprobs.py)
     dataset: str = ""  # the dataset whose stream (or failed registry) it came from
     fields: dict | None = None  # the stream entry as read, for its dead letter should it be one
+    verdict: dict | None = None  # a checked dataset's: what genq check made of it
+
+    @property
+    def filename(self) -> str:
+        """The file its line goes to: records (accepted ones, of a checked dataset), the records its
+        checker did not accept, or errors."""
+        if self.kind != KIND_RECORD:
+            return ERRORS
+        return RAW if self.verdict is None or self.verdict.get("status") == "accepted" else REJECTED_SAMPLES
 
 
 @dataclass
@@ -294,12 +304,23 @@ class Collector:
         their dataset's dead letter, one error line each, and the rest go on."""
         items, bad = [], []
         for dataset, entry_id, fields in read:
+            settings = self._settings[dataset]
             try:
-                entry = read_entry(fields, dataset, self._settings[dataset].samples)
+                entry = read_entry(fields, dataset, settings.samples)
+                if settings.checked != (entry.verdict is not None):
+                    # Only the check stage writes verdicts, and only there a checked dataset's
+                    # record may come from: one without a verdict never passed its checker.
+                    raise BadEntry(
+                        "a record of a checked dataset without a verdict (genq check writes them)"
+                        if settings.checked
+                        else "a verdict on a dataset enqueued without --checked"
+                    )
             except BadEntry as exc:
                 bad.append((dataset, entry_id, fields, str(exc)))
                 continue
-            items.append(Item(entry.kind, entry.data, entry_id, entry.logprobs, dataset, fields))
+            items.append(
+                Item(entry.kind, entry.data, entry_id, entry.logprobs, dataset, fields, entry.verdict)
+            )
         self._quarantine(bad)
         return items
 
@@ -377,7 +398,7 @@ class Collector:
                 self._retake(name)
 
     def _changed(self, name: str) -> str | None:
-        for filename in (RAW, ERRORS, LOGPROBS):
+        for filename in (RAW, REJECTED_SAMPLES, ERRORS, LOGPROBS):
             f = self._files.get((name, filename))
             if f is not None:
                 why = f.changed()
@@ -506,7 +527,7 @@ class Collector:
                 data, frame = _checked(item)
                 if frame is not None:  # before its line: a frame without a line is cut at start-up
                     self._file(name, LOGPROBS).append_bytes(frame)
-                self._file(name, RAW if item.kind == KIND_RECORD else ERRORS).append(data)
+                self._file(name, item.filename).append(data)
                 to_mark.append((name, item.kind, index))
                 if item.kind == KIND_RECORD:
                     new_records.setdefault(name, []).append(data)
@@ -570,7 +591,7 @@ class Collector:
     def _synced(self, name: str) -> dict[str, int]:
         """Each file of dataset ``name`` and the size this collector last committed as its checkpoint
         (what Redis holds unless it lost writes)."""
-        fields = [str(self.out / name / filename) for filename in (RAW, ERRORS, LOGPROBS)]
+        fields = [str(self.out / name / filename) for filename in (RAW, REJECTED_SAMPLES, ERRORS, LOGPROBS)]
         return {field: self._verified.get(field, 0) for field in fields}
 
     def _lost_writes(self, names: Collection[str], batch: Collection[str] = ()) -> None:
@@ -640,6 +661,8 @@ def _checked(item: Item) -> tuple[dict, bytes | None]:
     """The record and its frame as they go to disk. A frame that is not whole, or not its
     record's (genq/logprobs.py), would end the frames any reader can see: it is left out, with one
     error line, and the record says why."""
+    if item.verdict is not None:  # a checked dataset's: its verdict goes with it
+        item = dataclasses.replace(item, data={**item.data, "check": item.verdict})
     if item.logprobs is None or item.kind != KIND_RECORD:
         return item.data, None
     meta = item.data.get("logprobs")

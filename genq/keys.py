@@ -13,6 +13,8 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
                                     is dropped: the check commit is idempotent)
 - ``ds:<name>:draws``        hash   ``a<row>``: samples of the row accepted, ``d<row>``: samples drawn
                                     beyond the first K (``enqueue --accept K``; absent: none yet)
+- ``ds:<name>:verdicts``     hash   status (accepted, rejected, surplus, check_failed, unjudged) -> endings
+                                    the check stage filed so
 - ``ds:<name>:check_tries``  hash   unchecked entry id -> times a checker took it up (bounded)
 - ``dead:<name>``            stream entries of its stream that were not a worker's (genq/entries.py): their
                                     fields (cut), why, when; ``quarantined`` hash: dataset -> how many ever
@@ -138,6 +140,9 @@ class Keys:
 
     def draws(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:draws"
+
+    def verdicts(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:verdicts"
 
     def check_tries(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:check_tries"
@@ -273,6 +278,6 @@ class Keys:
                 self.collector_ready(name): "string", self.enqueuing(name): "string",
                 self.extending(name): "string", self.servers(name): "hash", self.provenance(name): "hash",
                 self.unchecked(name): "stream", self.checked(name): "string", self.draws(name): "hash",
-                self.check_tries(name): "hash",
+                self.check_tries(name): "hash", self.verdicts(name): "hash",
             })  # fmt: skip
         return shared

@@ -3,10 +3,12 @@
 - queued:    in the dataset's RQ queue (or RQ's intermediate list on its way to a worker), or still
              in the dataset's files, held back by ``enqueue --max-queued`` (the ``in_source`` hash)
 - in_flight: started on a worker (RQ's StartedJobRegistry), or a result in the stream not yet on disk
+             (or in a checked dataset's unchecked stream, not judged yet)
 - retrying:  scheduled by RQ for a later retry, or waiting in a worker between two attempts (the
              worker's ``retrying`` hash; those jobs are in the StartedJobRegistry too and move here)
 - done:      record on disk (``done`` bitmap, set only after fsync), unless `genq retry --truncated`
-             re-opened it (``extending``): then where its job is
+             re-opened it (``extending``): then where its job is; a checked dataset's, accepted or
+             not (``check_counts`` says which)
 - failed:    error on disk (``failed`` bitmap)
 
 Also the workers registered with RQ and the collector's lag. These are in the contract because
@@ -37,6 +39,7 @@ def dataset_counts(conn: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
             pipe.bitcount(keys.enqueued(name))
             count_unfinished(pipe, rq_queue(conn, keys, name), scheduled=True)
             pipe.hget(keys.in_stream, name)
+            pipe.hget(keys.in_check, name)
             pipe.bitcount(keys.done(name))
             pipe.bitcount(keys.failed(name))
             pipe.bitcount(keys.extending(name))
@@ -46,15 +49,16 @@ def dataset_counts(conn: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
     unread = {name.decode(): int(n) for name, n in in_source.items()}
     out: dict[str, dict[str, int]] = {}
     for i, name in enumerate(names):
-        total, queued, moving, started, scheduled, streamed, done, failed, extending, rejected = raw[
-            i * 10 : i * 10 + 10
-        ]
+        total, queued, moving, started, scheduled, streamed, checking, done, failed, extending, rejected = (
+            raw[i * 11 : i * 11 + 11]
+        )
         backoff = min(waiting.get(name, 0), started)  # a count can only be ahead of RQ's, briefly
         total += unread.get(name, 0)
         counts = {
             "total": total,
             "queued": queued + moving + unread.get(name, 0),
-            "in_flight": started - backoff + int(streamed or 0),
+            # In a stream: on the way to disk, or first to the check stage (a checked dataset).
+            "in_flight": started - backoff + int(streamed or 0) + int(checking or 0),
             "retrying": scheduled + backoff,
             # A record re-opened by `genq retry --truncated` is counted where its job is until its
             # longer record is on disk.
@@ -66,6 +70,12 @@ def dataset_counts(conn: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
         counts["rejected"] = rejected  # rows enqueue refused: not in the total
         out[name] = counts
     return out
+
+
+def check_counts(conn: redis.Redis, keys: Keys, name: str) -> dict[str, int]:
+    """A checked dataset's endings the check stage filed, by status (accepted, rejected, surplus,
+    check_failed, unjudged)."""
+    return {status.decode(): int(n) for status, n in conn.hgetall(keys.verdicts(name)).items()}
 
 
 def worker_names(conn: redis.Redis, keys: Keys) -> list[str]:

@@ -19,6 +19,9 @@ JOB_FUNC = "genq.jobs.generate"
 # and `genq verify` read them.
 RAW = "raw_responses.jsonl"
 ERRORS = "errors.jsonl"
+# A checked dataset's records its checker did not accept (rejected, surplus, check_failed), each with
+# its verdict under "check" (accepted ones are in RAW with theirs).
+REJECTED_SAMPLES = "rejected_samples.jsonl"
 # The rows `genq run`'s enqueue rejected, beside them (producer/rejects.py writes its lines).
 REJECTS = "rejected.jsonl"
 # The dataset's settings as enqueue recorded them (genq/datasets.py), copied beside its files by the

@@ -21,6 +21,7 @@ ROLES = {
     "enqueue": "producer.cli.enqueue_command",
     "worker": "worker.cli.worker_command",
     "collect": "collector.cli.collect_command",
+    "check": "checker.cli.check_command",
     "export": "collector.export.export_command",
     "stats": "collector.stats.stats_command",
     "report": "collector.report.report_command",

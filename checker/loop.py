@@ -1,0 +1,238 @@
+"""`genq check`'s loop: read checked datasets' endings, judge each with the host's checker, file the
+verdict (checker/commit.py). It reads top to bottom like the worker's:
+
+1. Every checked dataset of the namespace (``--dataset`` to narrow) has a consumer group
+   ``checkers`` on its unchecked stream; this process is one consumer of it, so N processes on any
+   hosts share the work.
+2. Up to ``--concurrency`` endings are judged at once, each with ``--timeout``; an ending a dead
+   checker held (pending, idle past what its tries could take) is claimed by a live one.
+3. Each try of the checker on an ending is counted in Redis first (``check_tries``), so a checker
+   that hangs, crashes or is killed with its process is tried ``--max-check-attempts`` times in
+   all, then the ending is filed ``check_failed`` — never lost, never retried for ever.
+4. A generation that failed (an error) has nothing to judge: it passes through ``unjudged`` (and
+   under ``--accept`` its prompt draws the next sample as a rejection does).
+5. No reading of a dataset whose results stream holds ``--stream-limit`` entries: its collector
+   is behind. ``--burst`` exits once no checked dataset has a job queued, running or unjudged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from checker.commit import VerdictCommit
+from checker.runner import Checker, CheckerError
+from genq import datasets
+from genq.entries import ENTRY_SPEC, BadEntry, Entry, quarantine, read_entry
+from genq.keys import Keys
+from genq.queues import count_unfinished, rq_queue
+from genq.schema import KIND_ERROR, JobSpec, loads
+
+log = logging.getLogger("genq.check")
+BLOCK_MS = 500  # one read waits this long for new endings
+CLAIM_EVERY_S = 5.0  # how often endings a dead checker held are looked for
+SETTINGS_EVERY_S = 2.0  # how often new datasets are looked for
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    concurrency: int = 4
+    timeout: float = 60.0
+    max_attempts: int = 3
+    stream_limit: int = 10_000
+    burst: bool = False
+    datasets: tuple[str, ...] = ()  # only these (empty: every checked dataset)
+
+    @property
+    def claim_after_ms(self) -> int:
+        """An ending pending this long was held by a checker that is gone: every try it could have
+        made, and a margin."""
+        return int(1000 * (self.max_attempts * (self.timeout + 5) + 30))
+
+
+class CheckLoop:
+    def __init__(self, conn: redis.Redis, keys: Keys, checker: Checker, config: CheckConfig) -> None:
+        self.conn, self.keys, self.checker, self.config = conn, keys, checker, config
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.commit = VerdictCommit(conn, keys)
+        self.settings: dict[str, datasets.DatasetSettings] = {}
+        self.judged: dict[str, int] = {}  # status -> endings filed so by this process
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = asyncio.Event()
+        self._settings_at = self._claimed_at = -1e9
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        try:
+            while not self._stopping.is_set():
+                await self._refresh_settings()
+                started = await self._start_free()
+                if self._tasks:
+                    await asyncio.wait(self._tasks, timeout=0 if started else 0.2)
+                if self.config.burst and not started and not self._tasks and await self._all_done():
+                    break
+        finally:
+            if self._tasks:  # a stop lets the judgements under way finish (each bounded by --timeout)
+                await asyncio.wait(self._tasks)
+            await self.checker.close()
+        log.info(
+            "check %s: %s", self.name, ", ".join(f"{n} {s}" for s, n in sorted(self.judged.items())) or "idle"
+        )
+        return 0
+
+    async def _refresh_settings(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if now - self._settings_at < SETTINGS_EVERY_S:
+            return
+        self._settings_at = now
+        found = await asyncio.to_thread(datasets.load_all, self.conn, self.keys)
+        wanted = {
+            n: s
+            for n, s in found.items()
+            if s.checked and (not self.config.datasets or n in self.config.datasets)
+        }
+        for name in set(wanted) - set(self.settings):
+            await asyncio.to_thread(self._group, name)
+        self.settings = wanted
+
+    def _group(self, name: str) -> None:
+        try:
+            self.conn.xgroup_create(
+                self.keys.unchecked(name), self.keys.checkers_group, id="0", mkstream=True
+            )
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def _start_free(self) -> int:
+        """Start judging as many endings as there is room for; how many were started."""
+        free = self.config.concurrency - len(self._tasks)
+        if free <= 0 or not self.settings:
+            return 0
+        read = await asyncio.to_thread(self._read, free)
+        for name, entry_id, fields in read:
+            task = asyncio.create_task(self._judge(name, entry_id, fields))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return len(read)
+
+    def _read(self, count: int) -> list[tuple[str, bytes, dict]]:
+        """Endings to judge: first those a dead checker held (every CLAIM_EVERY_S), then new ones."""
+        names = [n for n in self.settings if self.conn.xlen(self.keys.results(n)) < self.config.stream_limit]
+        found: list[tuple[str, bytes, dict]] = []
+        if self._claim_due():
+            for name in names:
+                _, claimed, _ = self.conn.xautoclaim(
+                    self.keys.unchecked(name),
+                    self.keys.checkers_group,
+                    self.name,
+                    self.config.claim_after_ms,
+                    count=count - len(found),
+                )
+                found += [(name, entry_id, fields) for entry_id, fields in claimed if fields]
+        if len(found) < count and names:
+            streams = {self.keys.unchecked(n): ">" for n in names}
+            answer = self.conn.xreadgroup(
+                self.keys.checkers_group, self.name, streams, count=count - len(found), block=BLOCK_MS
+            )
+            by_stream = {self.keys.unchecked(n): n for n in names}
+            for stream, entries in answer or []:
+                name = by_stream[stream.decode() if isinstance(stream, bytes) else stream]
+                found += [(name, entry_id, fields) for entry_id, fields in entries]
+        return found
+
+    def _claim_due(self) -> bool:
+        now = time.monotonic()
+        if now - self._claimed_at < CLAIM_EVERY_S:
+            return False
+        self._claimed_at = now
+        return True
+
+    async def _judge(self, name: str, entry_id: bytes, fields: dict) -> None:
+        settings = self.settings[name]
+        try:
+            entry = read_entry(fields, name, settings.samples)
+            spec = _spec(fields, entry) if settings.check.get("accept") else None
+        except BadEntry as exc:
+            await asyncio.to_thread(self._quarantine, name, entry_id, fields, str(exc))
+            return
+        if entry.kind == KIND_ERROR:
+            status, verdict = "unjudged", {}
+        else:
+            status, verdict = await self._verdict(name, entry_id, entry)
+        applied = await asyncio.to_thread(self.commit.apply, settings, entry_id, entry, spec, status, verdict)
+        self.judged[applied.status] = self.judged.get(applied.status, 0) + 1
+
+    async def _verdict(self, name: str, entry_id: bytes, entry: Entry) -> tuple[str, dict[str, Any]]:
+        """(status, verdict) of one record: the checker's, or check_failed once it has failed on
+        the record --max-check-attempts times (tries counted in Redis, across processes)."""
+        why = "the checker was taken up by a process that died each time"
+        while True:
+            tries = await asyncio.to_thread(self.conn.hincrby, self.keys.check_tries(name), entry_id, 1)
+            if tries > self.config.max_attempts:
+                log.warning("%s: %s failed its check %d times: %s", name, entry.record_id, tries - 1, why)
+                return "check_failed", {
+                    "accepted": False,
+                    "score": None,
+                    "reason": why,
+                    "checker": self.checker.identity,
+                }
+            try:
+                verdict = await self.checker.check(entry.data, self.config.timeout)
+            except CheckerError as exc:
+                why = str(exc)
+                log.warning("%s: the checker failed on %s (try %d): %s", name, entry.record_id, tries, why)
+                continue
+            status = "accepted" if verdict.accepted else "rejected"
+            return status, {**verdict.to_json(), "checker": self.checker.identity}
+
+    def _quarantine(self, name: str, entry_id: bytes, fields: dict, why: str) -> None:
+        with self.conn.pipeline(transaction=True) as pipe:
+            quarantine(pipe, self.keys, name, entry_id, fields, why, checked=True)
+            pipe.execute()
+        log.error(
+            "dataset %s: entry %s of %s is not a worker's: %s; moved to its dead letter",
+            name,
+            entry_id,
+            self.keys.unchecked(name),
+            why,
+        )
+
+    async def _all_done(self) -> bool:
+        """No checked dataset has a job queued or running, nor an ending in its unchecked stream."""
+        return await asyncio.to_thread(self._nothing_left)
+
+    def _nothing_left(self) -> bool:
+        with self.conn.pipeline(transaction=False) as pipe:
+            for name in self.settings:
+                count_unfinished(pipe, rq_queue(self.conn, self.keys, name))
+                pipe.xlen(self.keys.unchecked(name))
+            return sum(pipe.execute()) == 0
+
+
+def _spec(fields: dict, entry: Entry) -> JobSpec:
+    """The job's payload an ending carries to the check stage, checked: a sample is drawn from it."""
+    raw = fields.get(ENTRY_SPEC.encode())
+    if raw is None:
+        raise BadEntry(f"no field {ENTRY_SPEC!r} (the job's payload, to draw more samples from)")
+    try:
+        spec = JobSpec.from_kwargs(loads(raw))
+    except ValueError as exc:
+        raise BadEntry(f"field {ENTRY_SPEC!r}: {exc}") from None
+    if (spec.dataset, spec.row, spec.sample) != (
+        entry.data["dataset"],
+        entry.data["row"],
+        entry.data["sample"],
+    ):
+        raise BadEntry(f"field {ENTRY_SPEC!r} is another job's payload, not {entry.record_id}'s")
+    return spec

@@ -1,0 +1,115 @@
+"""The check stage end to end (issue 41): enqueue --accept K --max-samples M, a worker on the
+simulator, `genq check` with a seeded checker that accepts about a third, and the collector.
+
+The checker's verdict on each sample is a function of its id, so what every prompt must end with
+is known beforehand: its samples are drawn in order, one more for each not accepted, so a prompt
+ends with the fewest samples holding K accepted ones, or with M drawn. The files must hold exactly
+that — accepted records in raw_responses.jsonl, the others in rejected_samples.jsonl, each once —
+and the server must have generated each drawn sample once."""
+
+from __future__ import annotations
+
+import hashlib
+import textwrap
+import time
+from collections import Counter
+
+import orjson
+import pytest
+import redis
+
+from genq import progress
+from genq.keys import Keys
+from genq.schema import record_id
+from tests.helpers import log_of, read_jsonl, sim_stats, stop, write_prompts
+
+CHECKS = textwrap.dedent(
+    """
+    import hashlib
+
+    def third(record):
+        digest = hashlib.blake2b(record["id"].encode(), digest_size=8).digest()
+        accepted = int.from_bytes(digest, "big") % 3 == 0
+        return {"accepted": accepted, "score": float(accepted), "reason": "" if accepted else "not this one"}
+    """
+)
+
+
+def accepts(rid: str) -> bool:
+    return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "big") % 3 == 0
+
+
+def expected(dataset: str, rows: int, k: int, m: int) -> dict[int, tuple[int, int]]:
+    """Per row: (samples drawn, of them accepted)."""
+    found = {}
+    for row in range(rows):
+        accepted = drawn = 0
+        while drawn < m and accepted < k:
+            accepted += accepts(record_id(dataset, row, drawn, m))
+            drawn += 1
+        found[row] = (drawn, accepted)
+    return found
+
+
+def settled(procs, dataset: str, timeout: float) -> dict:
+    """Wait until every job of ``dataset`` drawn so far is on disk and none is on its way."""
+    conn = redis.Redis.from_url(procs.env["GENQ_REDIS_URL"])
+    keys = Keys(procs.env["GENQ_NAMESPACE"])
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = progress.dataset_counts(conn, keys)[dataset]
+        if (
+            counts["total"]
+            and counts["done"] + counts["failed"] == counts["total"]
+            and not counts["in_flight"]
+        ):
+            return {**counts, "verdicts": progress.check_counts(conn, keys, dataset)}
+        assert time.monotonic() < deadline, f"{dataset} not settled in {timeout:.0f} s: {counts}"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(300)
+def test_k_accepted_per_prompt_within_m_samples(procs, start_sim, out, tmp_path):
+    (tmp_path / "user_checks.py").write_text(CHECKS)
+    env_path = f"{tmp_path}"
+    rows, k, m = 300, 2, 6
+    data = tmp_path / "maths.jsonl"
+    write_prompts(data, rows)
+    lines = [orjson.loads(line) for line in data.read_bytes().splitlines()]
+    data.write_bytes(b"".join(orjson.dumps({**row, "answer": str(i)}) + b"\n" for i, row in enumerate(lines)))
+    url = start_sim("--latency", "realistic", "--decode-step-ms", "2", "--min-len", "8", "--max-len", "32")
+    res = procs.run(
+        "enqueue", data, "--max-new-tokens", "32", "--accept", k, "--max-samples", m, "--keep-field", "answer"
+    )
+    assert res.returncode == 0, res.stderr
+    worker = procs.start("worker", "--server", url, "--concurrency", "32")
+    checker = procs.start(
+        "check", "--check", "user_checks:third", "--concurrency", "4", env={"PYTHONPATH": env_path}
+    )
+    collector = procs.start("collect", "--out", out)
+
+    counts = settled(procs, "maths", 240)
+    for proc in (worker, checker, collector):
+        assert stop(proc, timeout=60) == 0, log_of(proc)
+
+    want = expected("maths", rows, k, m)
+    accepted = read_jsonl(out / "maths" / "raw_responses.jsonl")
+    rejected = read_jsonl(out / "maths" / "rejected_samples.jsonl")
+    assert not (out / "maths" / "errors.jsonl").exists() or not read_jsonl(out / "maths" / "errors.jsonl")
+    ids = [r["id"] for r in accepted + rejected]
+    assert len(ids) == len(set(ids)), "a sample filed twice"
+    got_accepted = Counter(r["row"] for r in accepted)
+    got_drawn = Counter(r["row"] for r in accepted + rejected)
+    assert {row: (got_drawn[row], got_accepted[row]) for row in range(rows)} == want
+    assert all(r["check"]["status"] == "accepted" and accepts(r["id"]) for r in accepted)
+    assert all(
+        r["check"]["status"] == "rejected" and r["check"]["reason"] == "not this one" for r in rejected
+    )
+    assert all(r["fields"] == {"answer": str(r["row"])} for r in accepted), "the kept field travels"
+    assert all(r["check"]["checker"].startswith("user_checks:third sha256:") for r in accepted)
+    short = [row for row, (drawn, got) in want.items() if got < k]
+    assert short, "the seeded checker leaves some prompts short of K within M: the test covers them"
+    assert counts["verdicts"] == {"accepted": len(accepted), "rejected": len(rejected)}
+    assert counts["total"] == sum(drawn for drawn, _ in want.values())
+    # Each drawn sample generated once, and nothing else but the worker's start-up probe.
+    assert sim_stats(url)["generations"] - 1 == len(ids)
