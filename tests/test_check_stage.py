@@ -21,7 +21,16 @@ import redis
 from genq import progress
 from genq.keys import Keys
 from genq.schema import record_id
-from tests.helpers import log_of, read_jsonl, sim_stats, stop, write_prompts
+from tests.helpers import (
+    assert_verified,
+    log_of,
+    read_jsonl,
+    sigkill,
+    sim_stats,
+    stop,
+    wait_until,
+    write_prompts,
+)
 
 CHECKS = textwrap.dedent(
     """
@@ -111,5 +120,121 @@ def test_k_accepted_per_prompt_within_m_samples(procs, start_sim, out, tmp_path)
     assert short, "the seeded checker leaves some prompts short of K within M: the test covers them"
     assert counts["verdicts"] == {"accepted": len(accepted), "rejected": len(rejected)}
     assert counts["total"] == sum(drawn for drawn, _ in want.values())
+    assert_verified(procs, out, data)
     # Each drawn sample generated once, and nothing else but the worker's start-up probe.
     assert sim_stats(url)["generations"] - 1 == len(ids)
+
+
+def outcome(out, dataset: str) -> tuple[list[dict], list[dict]]:
+    """The accepted and the other records of ``dataset``; each id once across both files."""
+    accepted = read_jsonl(out / dataset / "raw_responses.jsonl")
+    others = read_jsonl(out / dataset / "rejected_samples.jsonl")
+    ids = [r["id"] for r in accepted + others]
+    assert len(ids) == len(set(ids)), "a sample filed twice"
+    return accepted, others
+
+
+def verdicts_filed(procs, dataset: str) -> int:
+    conn = redis.Redis.from_url(procs.env["GENQ_REDIS_URL"])
+    return sum(progress.check_counts(conn, Keys(procs.env["GENQ_NAMESPACE"]), dataset).values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_kill_of_any_role_at_any_time_changes_nothing_of_the_result(procs, start_sim, out, tmp_path):
+    """The checker, a worker and the collector are each SIGKILLed mid-run and started again: every
+    prompt ends exactly as without the kills, no sample is filed twice, the counts in Redis are the
+    files', and the server generated no more than the killed worker had in flight."""
+    (tmp_path / "user_checks.py").write_text(CHECKS)
+    checker_env = {"PYTHONPATH": str(tmp_path)}
+    rows, k, m = 300, 2, 6
+    data = tmp_path / "kills.jsonl"
+    write_prompts(data, rows)
+    url = start_sim("--latency", "realistic", "--decode-step-ms", "4", "--min-len", "16", "--max-len", "64")
+    assert (
+        procs.run("enqueue", data, "--max-new-tokens", "64", "--accept", k, "--max-samples", m).returncode
+        == 0
+    )
+    in_flight = 16
+    roles = {
+        "worker": ("worker", "--server", url, "--concurrency", str(in_flight)),
+        "check": ("check", "--check", "user_checks:third", "--concurrency", "4"),
+        "collect": ("collect", "--out", str(out)),
+    }
+    running = {
+        name: procs.start(*argv, env=checker_env if name == "check" else None) for name, argv in roles.items()
+    }
+    total = sum(drawn for drawn, _ in expected("kills", rows, k, m).values())
+    for at, victim in ((0.2, "check"), (0.45, "worker"), (0.7, "collect")):
+        wait_until(
+            lambda at=at: verdicts_filed(procs, "kills") >= at * total, 120, f"{at:.0%} of the verdicts"
+        )
+        sigkill(running[victim])
+        running[victim] = procs.start(*roles[victim], env=checker_env if victim == "check" else None)
+    counts = settled(procs, "kills", 240)
+    for proc in running.values():
+        assert stop(proc, timeout=60) == 0, log_of(proc)
+
+    accepted, others = outcome(out, "kills")
+    got = {row: (0, 0) for row in range(rows)}
+    for r in accepted + others:
+        drawn, ok = got[r["row"]]
+        got[r["row"]] = (drawn + 1, ok + (r["check"]["status"] == "accepted"))
+    assert got == expected("kills", rows, k, m)
+    assert counts["verdicts"] == {"accepted": len(accepted), "rejected": len(others)}
+    assert_verified(procs, out, data)
+    # Two workers' start-up probes, each sample once, and what the killed worker had at the server.
+    wasted = sim_stats(url)["generations"] - 2 - (len(accepted) + len(others))
+    assert 0 <= wasted <= in_flight + 2, wasted
+
+
+CHECK_SH = textwrap.dedent(
+    """\
+    #!/bin/sh
+    # A checker in another language: the record on stdin, a verdict on stdout.
+    record=$(cat)
+    if echo "$record" | grep -q '"id": "[a-z]*-[0-9]*7"'; then sleep 600; fi
+    if echo "$record" | grep -q '"id": "[a-z]*-[0-9]*5"'; then echo "no sandbox here" >&2; exit 3; fi
+    if echo "$record" | grep -q '"id": "[a-z]*-[0-9]*[02468]"'; then
+      echo '{"accepted": true, "score": 1}'
+    else
+      echo '{"accepted": false, "score": 0, "reason": "odd"}'
+    fi
+    """
+)
+
+
+@pytest.mark.timeout(300)
+def test_a_command_checker_that_hangs_or_crashes_is_bounded_and_its_records_kept(
+    procs, start_sim, out, tmp_path
+):
+    """--check-cmd with a shell script over a --checked dataset: records it hangs on (past
+    --timeout) or crashes on are tried --max-check-attempts times, then filed check_failed with
+    the checker's last words; none is lost, the others are judged."""
+    script = tmp_path / "check.sh"
+    script.write_text(CHECK_SH)
+    rows = 60
+    data = tmp_path / "docs.jsonl"
+    write_prompts(data, rows)
+    url = start_sim("--latency", "zero")
+    assert procs.run("enqueue", data, "--max-new-tokens", "16", "--checked").returncode == 0
+    roles = [
+        procs.start("worker", "--server", url, "--concurrency", "16"),
+        procs.start("check", "--check-cmd", f"sh {script}", "--timeout", "1", "--max-check-attempts", "2"),
+        procs.start("collect", "--out", out),
+    ]
+    counts = settled(procs, "docs", 240)
+    for proc in roles:
+        assert stop(proc, timeout=60) == 0, log_of(proc)
+
+    accepted, others = outcome(out, "docs")
+    status = {r["row"]: r["check"]["status"] for r in accepted + others}
+    assert status == {
+        row: "check_failed" if row % 10 in (5, 7) else "accepted" if row % 2 == 0 else "rejected"
+        for row in range(rows)
+    }
+    failed = [r for r in others if r["check"]["status"] == "check_failed"]
+    assert all("no sandbox here" in r["check"]["reason"] for r in failed if r["row"] % 10 == 5)
+    assert all("within 1 s" in r["check"]["reason"] for r in failed if r["row"] % 10 == 7)
+    assert counts["verdicts"] == dict(Counter(status.values()))
+    assert_verified(procs, out, data)

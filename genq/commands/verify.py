@@ -27,7 +27,7 @@ from genq.connection import connect, redact
 from genq.entries import BadEntry, quarantined, read_entry
 from genq.keys import Keys
 from genq.queues import rq_queue
-from genq.schema import ERRORS, ID_AT_START, RAW, bit_index, extends, parse_record_id
+from genq.schema import ERRORS, ID_AT_START, RAW, REJECTED_SAMPLES, bit_index, extends, parse_record_id
 from genq.settings import option, redis_options
 
 EXTENDS_KEY = b'"extends":'
@@ -143,7 +143,7 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
             if index is not None:
                 states[state].set(index)
     extended: set[int] = set()
-    for state, filename in (("done", RAW), ("failed", ERRORS)):
+    for state, filename in (("done", RAW), ("done", REJECTED_SAMPLES), ("failed", ERRORS)):
         path = out / name / filename
         for line_no, record_id, extension in _ids(path):
             index = index_of(record_id) if record_id is not None else None
@@ -164,6 +164,10 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
     if files:
         size = max(size, (expected_n + 7) // 8)
         expected = ((1 << expected_n) - 1) << (size * 8 - expected_n)
+        if settings.first_draw < samples:  # --accept K: K a row at first, then what was drawn
+            first = ((1 << settings.first_draw) - 1) << (samples - settings.first_draw)  # a row's first K
+            expected = first * ((1 << expected_n) - 1) // ((1 << samples) - 1) << (size * 8 - expected_n)
+            expected |= _int(enqueued or b"", size)
     else:
         expected = _int(enqueued or b"", size)
     refused = _int(rejected or b"", size)
@@ -224,11 +228,13 @@ def _set_bits(value: int, size: int) -> list[int]:
 def _stream_indexes(
     conn: redis.Redis, keys: Keys, name: str, samples: int, known: bytes
 ) -> tuple[list[int], int]:
-    """The job indexes of this dataset's results still in the stream, and how many of its entries
+    """The job indexes of this dataset's results still in its streams (a checked dataset's first in
+    its unchecked one), and how many of their entries
     are not a worker's (genq/entries.py: the collector moves those to the dead letter), among them
     any of a job never enqueued (``known``: the ``enqueued`` bitmap)."""
     indexes, bad = [], 0
-    for _, fields in conn.xrange(keys.results(name)):
+    entries = conn.xrange(keys.results(name)) + conn.xrange(keys.unchecked(name))  # on their way to disk
+    for _, fields in entries:
         try:
             index = read_entry(fields, name, samples).index
         except BadEntry:
