@@ -34,7 +34,7 @@ from genq.schema import JobSpec, bit_index, dumps, record_id
 #       check_tries, enqueued bitmap, the RQ queue, RQ's set of queues, the new job's hash, verdicts
 # ARGV: group, entry id, dataset, job index, row, K ('' : no redraws), M, status, verdict JSON,
 #       kind, record id, data, logprobs ('' : none), expected extra draws, new job id ('' : none),
-#       new job's index, then the new job's hash as field, value pairs
+#       new job's index, the checker's seconds on it, then the new job's hash as field, value pairs
 VERDICT = f"""
 local function acknowledge()
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
@@ -63,7 +63,7 @@ if ARGV[6] ~= '' then
     if ARGV[15] ~= '' then
       redis.call('HINCRBY', KEYS[4], 'd' .. row, 1)
       local job = {{}}
-      for i = 17, #ARGV do job[#job + 1] = ARGV[i] end
+      for i = 18, #ARGV do job[#job + 1] = ARGV[i] end
       redis.call('HSET', KEYS[11], unpack(job))
       redis.call('SADD', KEYS[10], KEYS[9])
       redis.call('RPUSH', KEYS[9], ARGV[15])
@@ -83,6 +83,7 @@ if ARGV[13] ~= '' then
 end
 redis.call('XADD', KEYS[2], '*', unpack(entry))
 redis.call('HINCRBY', KEYS[12], status, 1)
+redis.call('HINCRBYFLOAT', KEYS[12], 'seconds', ARGV[17])
 redis.call('HINCRBY', KEYS[6], ARGV[3], 1)
 redis.call('HINCRBY', KEYS[5], ARGV[3], -1)
 acknowledge()
@@ -116,9 +117,11 @@ class VerdictCommit:
         spec: JobSpec | None,
         status: str,
         verdict: dict[str, Any],
+        seconds: float = 0.0,
     ) -> Applied:
         """File ``entry`` with ``verdict`` (``status``: accepted, rejected, check_failed, unjudged);
-        ``spec`` is the job's payload, from which the next sample is drawn (None: no draw)."""
+        ``spec`` is the job's payload, from which the next sample is drawn (None: no draw);
+        ``seconds``: the checker's time on it, summed per dataset for the views."""
         name, row = settings.name, entry.data["row"]
         accept = settings.check.get("accept")
         queue = self._queue(name)
@@ -135,7 +138,7 @@ class VerdictCommit:
             extra = int(self.conn.hget(self.keys.draws(name), f"d{row}") or 0)
             draw = self._draw(settings, spec, queue, extra) if accept and spec is not None else None
             job_key = draw[0] if draw else self.keys.draws(name)  # a key the script leaves alone
-            tail = [extra, *(draw[1:3] if draw else ("", "")), *(draw[3] if draw else ())]
+            tail = [extra, *(draw[1:3] if draw else ("", "")), seconds, *(draw[3] if draw else ())]
             found = self._script(keys=[*keys, job_key, k.verdicts(name)], args=[*head, *tail])
             status_now, drew = found[0].decode(), bool(found[1])
             if status_now != "stale":

@@ -166,11 +166,14 @@ class CheckLoop:
         except BadEntry as exc:
             await asyncio.to_thread(self._quarantine, name, entry_id, fields, str(exc))
             return
+        started = time.monotonic()
         if entry.kind == KIND_ERROR:
             status, verdict = "unjudged", {}
         else:
             status, verdict = await self._verdict(name, entry_id, entry)
-        applied = await asyncio.to_thread(self.commit.apply, settings, entry_id, entry, spec, status, verdict)
+        seconds = time.monotonic() - started
+        args = (settings, entry_id, entry, spec, status, verdict, seconds)
+        applied = await asyncio.to_thread(self.commit.apply, *args)
         self.judged[applied.status] = self.judged.get(applied.status, 0) + 1
 
     async def _verdict(self, name: str, entry_id: bytes, entry: Entry) -> tuple[str, dict[str, Any]]:
@@ -191,6 +194,7 @@ class CheckLoop:
                 verdict = await self.checker.check(entry.data, self.config.timeout)
             except CheckerError as exc:
                 why = str(exc)
+                await asyncio.to_thread(self.conn.hincrby, self.keys.verdicts(name), "checker_errors", 1)
                 log.warning("%s: the checker failed on %s (try %d): %s", name, entry.record_id, tries, why)
                 continue
             status = "accepted" if verdict.accepted else "rejected"

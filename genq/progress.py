@@ -72,10 +72,31 @@ def dataset_counts(conn: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
     return out
 
 
+VERDICT_COUNTS = ("accepted", "rejected", "surplus", "check_failed", "unjudged")
+
+
 def check_counts(conn: redis.Redis, keys: Keys, name: str) -> dict[str, int]:
     """A checked dataset's endings the check stage filed, by status (accepted, rejected, surplus,
     check_failed, unjudged)."""
-    return {status.decode(): int(n) for status, n in conn.hgetall(keys.verdicts(name)).items()}
+    found = conn.hgetall(keys.verdicts(name))
+    return {s.decode(): int(n) for s, n in found.items() if s.decode() in VERDICT_COUNTS}
+
+
+def check_summary(raw: dict[bytes, bytes]) -> dict[str, Any]:
+    """The views' figures of a checked dataset's ``verdicts`` hash: each status's count, the share
+    accepted of the samples judged, samples judged per accepted one, the checker's mean seconds
+    per sample and its failures (tries that raised, hung or crashed; retried); None where unknown."""
+    found = {k.decode(): v for k, v in raw.items()}
+    counts = {s: int(found.get(s, 0)) for s in VERDICT_COUNTS}
+    judged = sum(counts[s] for s in VERDICT_COUNTS if s != "unjudged")
+    seconds = float(found.get("seconds", 0))
+    return {
+        **counts,
+        "acceptance": round(counts["accepted"] / judged, 4) if judged else None,
+        "samples_per_accepted": round(judged / counts["accepted"], 2) if counts["accepted"] else None,
+        "checker_s": round(seconds / judged, 3) if judged else None,
+        "checker_errors": int(found.get("checker_errors", 0)),
+    }
 
 
 def worker_names(conn: redis.Redis, keys: Keys) -> list[str]:

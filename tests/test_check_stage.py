@@ -27,6 +27,7 @@ from tests.helpers import (
     read_jsonl,
     sigkill,
     sim_stats,
+    status_json,
     stop,
     wait_until,
     write_prompts,
@@ -121,6 +122,14 @@ def test_k_accepted_per_prompt_within_m_samples(procs, start_sim, out, tmp_path)
     assert counts["verdicts"] == {"accepted": len(accepted), "rejected": len(rejected)}
     assert counts["total"] == sum(drawn for drawn, _ in want.values())
     assert_verified(procs, out, data)
+    check = status_json(procs)["datasets"]["maths"]["check"]
+    judged = len(accepted) + len(rejected)
+    assert (check["accepted"], check["rejected"], check["check_failed"]) == (len(accepted), len(rejected), 0)
+    assert check["acceptance"] == round(len(accepted) / judged, 4)
+    assert check["samples_per_accepted"] == round(judged / len(accepted), 2)
+    assert check["checker_s"] is not None and check["checker_errors"] == 0
+    shown = procs.run("status").stdout
+    assert "check" in shown and f"{len(accepted):,}" in shown, shown
     # Each drawn sample generated once, and nothing else but the worker's start-up probe.
     assert sim_stats(url)["generations"] - 1 == len(ids)
 

@@ -102,6 +102,31 @@ def ledger_table(data: dict[str, Any]) -> Table:
     return table
 
 
+def check_table(data: dict[str, Any]) -> Table | None:
+    """The check stage of the checked datasets (genq check): what it filed, the share accepted,
+    samples judged per accepted one, the checker's seconds per sample and its failures."""
+    checked = {name: c["check"] for name, c in data["datasets"].items() if c.get("check") is not None}
+    if not checked:
+        return None
+    table = _table(
+        "check", "dataset", "accepted", "rejected", "failed", "share", "per acc.", "s/sample", "errors"
+    )
+    table.columns[0].overflow = "ellipsis"
+    table.columns[0].max_width = 14
+    for name, c in checked.items():
+        table.add_row(
+            name,
+            count(c["accepted"]),
+            count(c["rejected"] + c["surplus"]),
+            count(c["check_failed"]),
+            f"{c['acceptance']:.0%}" if c["acceptance"] is not None else UNKNOWN,
+            f"{c['samples_per_accepted']:.1f}" if c["samples_per_accepted"] is not None else UNKNOWN,
+            f"{c['checker_s']:.2f}" if c["checker_s"] is not None else UNKNOWN,
+            count(c["checker_errors"]),
+        )
+    return table
+
+
 def tokens_table(data: dict[str, Any]) -> Table:
     table = _table("tokens", "dataset", "prompt", "completion", "avg", "cut", "tok/s 5m", "tok/s all", "ETA")
     table.columns[0].overflow = "ellipsis"
@@ -244,6 +269,7 @@ def frame(data: dict[str, Any], groups: list[failures.Group], url: str, at: floa
         Text(""),
         ledger_table(data),
         Text(""),
+        *([checks, Text("")] if (checks := check_table(data)) is not None else []),
         workers_table(data),
         Text(""),
         failures_table(groups),

@@ -14,7 +14,7 @@ from rq.utils import utcparse
 from genq import datasets, entries, provenance, token_counts
 from genq.clock import redis_time
 from genq.keys import Keys
-from genq.progress import STATES, dataset_counts, ledger, stream_lag, worker_names
+from genq.progress import STATES, check_summary, dataset_counts, ledger, stream_lag, worker_names
 from genq.redis_errors import not_now, refusing_writes
 from genq.settings import DEFAULT_HEARTBEAT_TTL_S
 from genq.terminal import duration
@@ -153,6 +153,15 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
             only = next(iter(per_dataset.values()))
             only["eta_s"] = with_probation(only["eta_s"], passing_s)
     quarantined = entries.quarantined(conn, keys)
+    settings = datasets.load_all(conn, keys)
+    checked = [name for name in per_dataset if name in settings and settings[name].checked]
+    with conn.pipeline(transaction=False) as pipe:
+        for name in checked:
+            pipe.hgetall(keys.verdicts(name))
+        for name, raw in zip(checked, pipe.execute(), strict=True):
+            per_dataset[name]["check"] = check_summary(raw)
+    for name in per_dataset.keys() - set(checked):
+        per_dataset[name]["check"] = None
     return {
         "namespace": keys.namespace,
         "datasets": per_dataset,
@@ -164,7 +173,7 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
         "probation_s": passing_s if suspects else None,
         "warnings": [
             *_refusing_writes(conn),
-            *warnings(datasets.load_all(conn, keys), alive),
+            *warnings(settings, alive),
             *_models(conn, keys, list(per_dataset)),
             *filter(None, [probation_warning(suspects, passing_s)]),
             *_quarantined(keys, quarantined),

@@ -39,11 +39,13 @@ def status_command(as_json: bool, out: Path | None, redis_url: str, namespace: s
     for part in (
         monitor_view.counts_table(data),
         monitor_view.ledger_table(data),
+        monitor_view.check_table(data),
         monitor_view.tokens_table(data),
         monitor_view.workers_table(data),
         monitor_view.lag_line(data),
     ):
-        console.print(part)
+        if part is not None:
+            console.print(part)
     for warning in data["warnings"]:
         console.print(f"[yellow]{warning}[/yellow]")
     odd = {n: c["unaccounted"] for n, c in data["datasets"].items() if c["unaccounted"]}
