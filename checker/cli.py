@@ -46,13 +46,25 @@ log = logging.getLogger("genq.check")
     "the record as JSON on its stdin, a verdict as JSON on its stdout, exit 0.",
 )
 @option(
-    "--dataset", "names", multiple=True, help="Judge only this checked dataset (repeatable; default: all)."
+    "--dataset",
+    "names",
+    env="GENQ_CHECK_DATASET",
+    multiple=True,
+    help="Judge only this checked dataset (repeatable; default: all).",
 )
 @option(
-    "--concurrency", type=click.IntRange(min=1), default=4, help="Records judged at once by this process."
+    "--concurrency",
+    env="GENQ_CHECK_CONCURRENCY",
+    type=click.IntRange(min=1),
+    default=4,
+    help="Records judged at once by this process.",
 )
 @option(
-    "--timeout", type=click.FloatRange(min=0.1), default=60.0, help="Seconds the checker has for one record."
+    "--timeout",
+    env="GENQ_CHECK_TIMEOUT",
+    type=click.FloatRange(min=0.1),
+    default=60.0,
+    help="Seconds the checker has for one record.",
 )
 @option(
     "--max-check-attempts",
@@ -62,12 +74,16 @@ log = logging.getLogger("genq.check")
 )
 @option(
     "--stream-limit",
+    env="GENQ_CHECK_STREAM_LIMIT",
     type=click.IntRange(min=1),
     default=10_000,
     help="Judge no more of a dataset while its result stream holds this many entries (collector behind).",
 )
 @option(
-    "--burst", is_flag=True, help="Exit once no checked dataset has anything queued, running or to judge."
+    "--burst",
+    env="GENQ_CHECK_BURST",
+    is_flag=True,
+    help="Exit once no checked dataset has anything queued, running or to judge.",
 )
 @logging_options
 @redis_options

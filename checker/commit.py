@@ -83,6 +83,9 @@ if ARGV[13] ~= '' then
 end
 redis.call('XADD', KEYS[2], '*', unpack(entry))
 redis.call('HINCRBY', KEYS[12], status, 1)
+if type(verdict['checker']) == 'string' then
+  redis.call('HINCRBY', KEYS[12], 'by:' .. verdict['checker'], 1)
+end
 redis.call('HINCRBYFLOAT', KEYS[12], 'seconds', ARGV[17])
 redis.call('HINCRBY', KEYS[6], ARGV[3], 1)
 redis.call('HINCRBY', KEYS[5], ARGV[3], -1)

@@ -108,6 +108,16 @@ def _ledger(prov: dict[str, Any]) -> list[str]:
     failed = prov.get("failed_by_class")
     if failed:
         out += ["Failed, by error class: " + ", ".join(f"{cls} {n:,}" for cls, n in failed.items()), ""]
+    check = prov.get("check")
+    if check:  # a checked dataset: only its accepted records are exported
+        share = f" ({check['acceptance']:.0%})" if check.get("acceptance") is not None else ""
+        judged = ", ".join(f"`{who}` {n:,}" for who, n in (check.get("checkers") or {}).items())
+        out += [
+            f"Checked: {check['accepted']:,} samples accepted{share}, {check['rejected']:,} rejected, "
+            f"{check['check_failed']:,} the checker failed on; judged by {judged or 'no checker yet'}. "
+            "Only accepted samples are exported.",
+            "",
+        ]
     return out if len(out) > 2 else [*out, "Not recorded."]
 
 

@@ -96,6 +96,8 @@ def check_summary(raw: dict[bytes, bytes]) -> dict[str, Any]:
         "samples_per_accepted": round(judged / counts["accepted"], 2) if counts["accepted"] else None,
         "checker_s": round(seconds / judged, 3) if judged else None,
         "checker_errors": int(found.get("checker_errors", 0)),
+        # Which checkers judged it (module and its file's hash, or the command), and how many each.
+        "checkers": {k[3:][:300]: int(v) for k, v in found.items() if k.startswith("by:")},
     }
 
 

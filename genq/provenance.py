@@ -108,7 +108,8 @@ def build(
         pipe.hgetall(keys.servers(name))
         pipe.hgetall(keys.provenance(name))
         pipe.hgetall(keys.tokens(name))
-        served_raw, enqueue_raw, tokens_raw = pipe.execute()
+        pipe.hgetall(keys.verdicts(name))
+        served_raw, enqueue_raw, tokens_raw, verdicts_raw = pipe.execute()
     every = counts if counts is not None else progress.dataset_counts(conn, keys)
     mine = every.get(name)
     served = servers(served_raw)
@@ -142,6 +143,8 @@ def build(
         if errors is not None
         else None,
         "tokens": tokens,
+        # A checked dataset's check stage: what it filed, and which checkers judged (decision 20).
+        "check": progress.check_summary(verdicts_raw) if settings.checked else None,
         "first_record_at": _iso(times.get("first_at")),
         "last_record_at": _iso(times.get("last_at")),
         "updated_at": now_iso(),

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 
 import orjson
+import pyarrow.parquet as pq
 import pytest
 import redis
 
@@ -128,6 +129,15 @@ def test_k_accepted_per_prompt_within_m_samples(procs, start_sim, out, tmp_path)
     assert check["acceptance"] == round(len(accepted) / judged, 4)
     assert check["samples_per_accepted"] == round(judged / len(accepted), 2)
     assert check["checker_s"] is not None and check["checker_errors"] == 0
+    (identity,) = check["checkers"]
+    assert identity.startswith("user_checks:third sha256:") and check["checkers"][identity] == judged
+    recorded = orjson.loads((out / "maths" / "provenance.json").read_bytes())["check"]
+    assert recorded["checkers"] == check["checkers"], "the checker's identity is kept with the dataset"
+    # Exports hold the accepted samples only, and their card says so.
+    assert procs.run("export", out, "--format", "parquet", "--license", "mit").returncode == 0
+    shards = sorted((out / "maths").glob("records-*.parquet"))
+    assert sum(pq.read_metadata(shard).num_rows for shard in shards) == len(accepted)
+    assert f"Checked: {len(accepted):,} samples accepted" in (out / "maths" / "README.md").read_text()
     shown = procs.run("status").stdout
     assert "check" in shown and f"{len(accepted):,}" in shown, shown
     # Each drawn sample generated once, and nothing else but the worker's start-up probe.
