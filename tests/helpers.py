@@ -458,6 +458,25 @@ def wait_for_records(procs: Procs, dataset: str, n: int, stall: float, *, in_fli
         time.sleep(0.05)
 
 
+def check_settled(procs: Procs, dataset: str, timeout: float) -> dict:
+    """Wait until every job of the checked ``dataset`` drawn so far is on disk and none is on its way
+    (the check stage draws more as it judges, so the total moves until then); its counts, with
+    what the check stage filed by status."""
+    conn = redis.Redis.from_url(procs.env["GENQ_REDIS_URL"])
+    keys = Keys(procs.env["GENQ_NAMESPACE"])
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = progress.dataset_counts(conn, keys)[dataset]
+        if (
+            counts["total"]
+            and counts["done"] + counts["failed"] == counts["total"]
+            and not counts["in_flight"]
+        ):
+            return {**counts, "verdicts": progress.check_counts(conn, keys, dataset)}
+        assert time.monotonic() < deadline, f"{dataset} not settled in {timeout:.0f} s: {counts}"
+        time.sleep(0.1)
+
+
 def finish_run(procs: Procs, dataset: str, total: int, stall: float, *roles: subprocess.Popen) -> None:
     """Wait until all ``total`` records of ``dataset`` are on disk (failing on a ``stall`` of that
     many seconds), then SIGTERM each role (workers, collectors): each must exit 0."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import textwrap
-import time
 from collections import Counter
 
 import orjson
@@ -24,6 +23,7 @@ from genq.keys import Keys
 from genq.schema import record_id
 from tests.helpers import (
     assert_verified,
+    check_settled,
     log_of,
     read_jsonl,
     sigkill,
@@ -62,23 +62,6 @@ def expected(dataset: str, rows: int, k: int, m: int) -> dict[int, tuple[int, in
     return found
 
 
-def settled(procs, dataset: str, timeout: float) -> dict:
-    """Wait until every job of ``dataset`` drawn so far is on disk and none is on its way."""
-    conn = redis.Redis.from_url(procs.env["GENQ_REDIS_URL"])
-    keys = Keys(procs.env["GENQ_NAMESPACE"])
-    deadline = time.monotonic() + timeout
-    while True:
-        counts = progress.dataset_counts(conn, keys)[dataset]
-        if (
-            counts["total"]
-            and counts["done"] + counts["failed"] == counts["total"]
-            and not counts["in_flight"]
-        ):
-            return {**counts, "verdicts": progress.check_counts(conn, keys, dataset)}
-        assert time.monotonic() < deadline, f"{dataset} not settled in {timeout:.0f} s: {counts}"
-        time.sleep(0.1)
-
-
 @pytest.mark.timeout(300)
 def test_k_accepted_per_prompt_within_m_samples(procs, start_sim, out, tmp_path):
     (tmp_path / "user_checks.py").write_text(CHECKS)
@@ -99,7 +82,7 @@ def test_k_accepted_per_prompt_within_m_samples(procs, start_sim, out, tmp_path)
     )
     collector = procs.start("collect", "--out", out)
 
-    counts = settled(procs, "maths", 240)
+    counts = check_settled(procs, "maths", 240)
     for proc in (worker, checker, collector):
         assert stop(proc, timeout=60) == 0, log_of(proc)
 
@@ -190,7 +173,7 @@ def test_a_kill_of_any_role_at_any_time_changes_nothing_of_the_result(procs, sta
         )
         sigkill(running[victim])
         running[victim] = procs.start(*roles[victim], env=checker_env if victim == "check" else None)
-    counts = settled(procs, "kills", 240)
+    counts = check_settled(procs, "kills", 240)
     for proc in running.values():
         assert stop(proc, timeout=60) == 0, log_of(proc)
 
@@ -242,7 +225,7 @@ def test_a_command_checker_that_hangs_or_crashes_is_bounded_and_its_records_kept
         procs.start("check", "--check-cmd", f"sh {script}", "--timeout", "1", "--max-check-attempts", "2"),
         procs.start("collect", "--out", out),
     ]
-    counts = settled(procs, "docs", 240)
+    counts = check_settled(procs, "docs", 240)
     for proc in roles:
         assert stop(proc, timeout=60) == 0, log_of(proc)
 

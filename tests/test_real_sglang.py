@@ -9,8 +9,10 @@ its own finished requests (``--enable-metrics``): GPU work is counted, not only 
 
 from __future__ import annotations
 
+import re
 import signal
 import time
+from collections import Counter
 
 import orjson
 import pytest
@@ -34,6 +36,7 @@ from tests.engines import (
 )
 from tests.helpers import (
     assert_verified,
+    check_settled,
     finish_run,
     load_shape,
     log_of,
@@ -43,6 +46,7 @@ from tests.helpers import (
     sigkill,
     sim_get,
     status_json,
+    stop,
     wait_for_records,
     wait_until,
     write_ids,
@@ -318,6 +322,50 @@ def test_turns_all_with_the_models_chat_template(procs, sglang, sglang_install, 
             assert turn["output_ids"] == want["output_ids"], f"{r['id']} turn {k}: not the server's output"
             answers.append(answer_message(want["text"], None))
         assert len(r["turns"]) == sum(m["role"] == "user" for m in source)
+
+
+def test_the_regex_checker_keeps_what_the_real_model_writes_to_a_pattern(
+    procs, sglang, out, tmp_path, report
+):
+    """The check stage on the real server: sampled outputs (temperature 1) judged by the built-in
+    regex checker, until 1 of each prompt matches or 3 were drawn. Whatever the model writes, an
+    accepted record matches and a rejected one does not, a prompt is drawn again only while it has
+    none accepted, and the server generated each drawn sample once."""
+    prompts = hf_prompts(40, seed=11)
+    data = write_ids(tmp_path / "rx.jsonl", prompts)
+    pattern = "[aeiou]{2}"
+    res = procs.run(
+        "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "1", "--accept", "1",
+        "--max-samples", "3", "--server", sglang.url,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    before = metric(sglang.url, *GENERATES)
+    roles = [
+        procs.start("worker", "--server", sglang.url, "--concurrency", "8"),
+        procs.start("check", "--check", "checker.builtin:regex", "--check-option", f"must={pattern}"),
+        procs.start("collect", "--out", out),
+    ]
+    counts = check_settled(procs, "rx", 300)
+    for proc in roles:
+        assert stop(proc, timeout=60) == 0, log_of(proc)
+    accepted = read_jsonl(out / "rx" / "raw_responses.jsonl")
+    rejected = read_jsonl(out / "rx" / "rejected_samples.jsonl")
+    assert all(re.search(pattern, r["content"] or r["text"]) for r in accepted)
+    assert all(not re.search(pattern, r["content"] or r["text"]) for r in rejected)
+    drawn = Counter(r["row"] for r in accepted + rejected)
+    won = Counter(r["row"] for r in accepted)
+    assert all(won[row] <= 1 and (won[row] == 1 or drawn[row] == 3) for row in range(len(prompts)))
+    assert all(r["sample"] < drawn[r["row"]] for r in accepted + rejected), "samples drawn in order"
+    assert counts["verdicts"] == {
+        k: v for k, v in (("accepted", len(accepted)), ("rejected", len(rejected))) if v
+    }
+    # The worker's 1-token probe and each drawn sample once.
+    assert metric(sglang.url, *GENERATES) - before == len(accepted) + len(rejected) + 1
+    assert_verified(procs, out, data)
+    report(
+        f"regex checker on SGLang: {len(accepted)} of {len(prompts)} prompts accepted, "
+        f"{len(rejected)} rejected samples"
+    )
 
 
 def test_a_worker_killed_mid_run_repeats_only_what_was_in_flight(procs, sglang, out, tmp_path, report):
