@@ -130,6 +130,7 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "pending": 6,
             "read": 10,
         },
+        "check": None,  # not a checked dataset
     }
     legacy = data["datasets"]["legacy"]
     assert legacy["ledger"] is None, "counters of an older genq: where the rows went is unknown"
