@@ -66,6 +66,11 @@ def check(settings: DatasetSettings) -> None:
         raise CannotExtend(
             f"dataset {settings.name}: its records' logprobs frames are not carried into an extension yet"
         )
+    if settings.checked:
+        raise CannotExtend(
+            f"dataset {settings.name}: its records were judged by genq check as they were; a longer one "
+            "would need judging again, which the check stage does not do yet"
+        )
 
 
 def extend(conn: redis.Redis, keys: Keys, settings: DatasetSettings, raw: Path, continue_to: int) -> Extended:
