@@ -111,6 +111,9 @@ def retry(conn: redis.Redis, keys: Keys, items: list[Failure]) -> tuple[int, int
                     pipe.hdel(counter, job.id)
                 if row is not None:
                     pipe.setbit(keys.failed(name), bit_index(row, sample, samples), 0)
+                    # A checked dataset's: its ending will be judged again (decision 20). Its
+                    # prompt drew a replacement for it already, so an acceptance past K is surplus.
+                    pipe.setbit(keys.checked(name), bit_index(row, sample, samples), 0)
                 pipe.execute()
             retried += 1
     return retried, waiting
