@@ -136,6 +136,22 @@ def _ledger(d: DatasetStats) -> str:
     return _rows([(k, f"{v:,}") for k, v in book.items()], "ledger: where each row read went")
 
 
+def _check(d: DatasetStats) -> str:
+    """A checked dataset's check stage (genq check): verdicts, samples per prompt, the prompts that
+    reached K and those that hit M without K."""
+    check = d.check()
+    if check is None:
+        return ""
+    rows = [(status, f"{n:,}") for status, n in check["verdicts"].items()]
+    rows += [("prompts", f"{check['prompts']:,}"), ("samples per prompt", f"{check['samples_per_prompt']:,}")]
+    if "accept" in check:
+        rows += [
+            (f"prompts with {check['accept']} accepted", f"{check['prompts_with_k']:,}"),
+            (f"prompts short after {check['max_samples']} samples", f"{check['short_of_k']:,}"),
+        ]
+    return "<h3>Check</h3>" + _rows(rows, "check: what the checker made of the samples")
+
+
 def _throughput(d: DatasetStats) -> str:
     if not d.minutes:
         return _note(f"{UNKNOWN}: no record says when it finished (finished_at)")
@@ -186,6 +202,7 @@ def _dataset(name: str, d: DatasetStats) -> str:
         _numbers(d),
         "<h3>Ledger</h3>",
         _ledger(d),
+        _check(d),
         "<h3>Completion length</h3>",
         _lengths(d),
         "<h3>Finish reasons</h3>",

@@ -32,10 +32,11 @@ from rich.table import Table
 
 from genq import datasets as dataset_settings
 from genq import terminal
-from genq.schema import EXPORTS, RAW, REJECTS, cut_short, extends
+from genq.schema import EXPORTS, RAW, REJECTED_SAMPLES, REJECTS, cut_short, extends
 from genq.settings import option
 
 MAX_EXAMPLES = 5
+SHORT_LISTED = 100  # rows of the prompts short of K listed by stats --json
 
 
 @dataclass
@@ -211,6 +212,11 @@ class DatasetStats:
     error_examples: dict[str, str] = field(default_factory=dict)  # class -> its first message
     unrecognized: int = 0
     examples: list[str] = field(default_factory=list)
+    # A checked dataset's (genq check): verdicts by status, and per prompt (row) its samples filed
+    # and how many of them were accepted; ``accept``: (K, M) from its settings beside the files.
+    verdicts: Counter = field(default_factory=Counter)
+    per_prompt: dict[int, list[int]] = field(default_factory=dict)
+    accept: tuple[int, int] | None = None
 
     def add_line(self, line: bytes, where: str) -> None:
         try:
@@ -223,6 +229,7 @@ class DatasetStats:
             for shape, reader in READERS:
                 rec = reader(obj)
                 if rec is not None:
+                    self._verdict(obj)
                     return self._add(shape, rec)
         except Unreadable as exc:
             return self._unrecognized(where, str(exc))
@@ -267,6 +274,40 @@ class DatasetStats:
             at = rec.finished_at
             self.first_at = at if self.first_at is None else min(at, self.first_at)
             self.last_at = at if self.last_at is None else max(at, self.last_at)
+
+    def _verdict(self, obj: dict) -> None:
+        check, row = obj.get("check"), obj.get("row")
+        if not isinstance(check, dict) or not isinstance(row, int) or isinstance(row, bool):
+            return
+        status = str(check.get("status"))
+        self.verdicts[status] += 1
+        counts = self.per_prompt.setdefault(row, [0, 0])
+        counts[0] += 1
+        counts[1] += status == "accepted"
+
+    def check(self) -> dict[str, Any] | None:
+        """A checked dataset's check stage from its files: verdicts by status, samples filed per
+        prompt, and under --accept K --max-samples M the prompts that reached K and those that hit
+        M without K (their rows, the first SHORT_LISTED of them)."""
+        if not self.verdicts:
+            return None
+        prompts = len(self.per_prompt)
+        out: dict[str, Any] = {
+            "verdicts": dict(self.verdicts.most_common()),
+            "prompts": prompts,
+            "samples_per_prompt": round(sum(d for d, _ in self.per_prompt.values()) / prompts, 2),
+        }
+        if self.accept is not None:
+            k, m = self.accept
+            short = sorted(row for row, (drawn, ok) in self.per_prompt.items() if ok < k and drawn >= m)
+            out.update(
+                accept=k,
+                max_samples=m,
+                prompts_with_k=sum(ok >= k for _, ok in self.per_prompt.values()),
+                short_of_k=len(short),
+                short_of_k_rows=short[:SHORT_LISTED],
+            )
+        return out
 
     def ledger(self) -> dict[str, int] | None:
         """Where each row read went, from the files alone (genq's records only): stopped,
@@ -318,6 +359,7 @@ class DatasetStats:
             "shapes": dict(self.shapes.most_common()),
             "errors": dict(self.errors.most_common()),
             "ledger": self.ledger(),
+            "check": self.check(),
             "unrecognized": {"lines": self.unrecognized, "examples": self.examples},
         }
 
@@ -394,6 +436,17 @@ def _jobs(rejects: Path) -> int:
     return rows * (settings.samples if settings is not None else 1)
 
 
+def _accept(folder: Path) -> tuple[int, int] | None:
+    """(K, M) of a dataset enqueued with --accept K --max-samples M, from its settings beside it."""
+    try:
+        settings = dataset_settings.read_file(folder)
+    except ValueError:
+        return None
+    if settings is None or not settings.check.get("accept"):
+        return None
+    return settings.check["accept"], settings.samples
+
+
 def folder_stats(root: Path) -> dict[str, DatasetStats]:
     out: dict[str, DatasetStats] = {}
     for dataset, path in files(root):
@@ -401,6 +454,8 @@ def folder_stats(root: Path) -> dict[str, DatasetStats]:
         rejects = path.with_name(REJECTS)
         if stats.rejected is None and rejects.is_file() and _genq_rejects(rejects):
             stats.rejected = _jobs(rejects)
+        if stats.accept is None and path.name in (RAW, REJECTED_SAMPLES):
+            stats.accept = _accept(path.parent)
         shown = path.relative_to(root).as_posix()
         with path.open("rb") as fh:
             for lineno, line in enumerate(fh, 1):

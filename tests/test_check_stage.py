@@ -116,6 +116,15 @@ def test_k_accepted_per_prompt_within_m_samples(procs, start_sim, out, tmp_path)
     assert identity.startswith("user_checks:third sha256:") and check["checkers"][identity] == judged
     recorded = orjson.loads((out / "maths" / "provenance.json").read_bytes())["check"]
     assert recorded["checkers"] == check["checkers"], "the checker's identity is kept with the dataset"
+    # The files alone say as much: stats lists the prompts short of K, the report shows the stage.
+    from_files = orjson.loads(procs.run("stats", out, "--json").stdout)["datasets"]["maths"]["check"]
+    assert from_files["verdicts"] == {"accepted": len(accepted), "rejected": len(rejected)}
+    assert (from_files["accept"], from_files["max_samples"]) == (k, m)
+    assert from_files["short_of_k_rows"] == short[:100] and from_files["short_of_k"] == len(short)
+    assert from_files["prompts_with_k"] == rows - len(short)
+    report = procs.run("report", out, "--output", tmp_path / "report.html")
+    assert report.returncode == 0, report.stderr
+    assert f"prompts short after {m} samples" in (tmp_path / "report.html").read_text()
     # Exports hold the accepted samples only, and their card says so.
     assert procs.run("export", out, "--format", "parquet", "--license", "mit").returncode == 0
     shards = sorted((out / "maths").glob("records-*.parquet"))
