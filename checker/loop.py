@@ -4,8 +4,9 @@ verdict (checker/commit.py). It reads top to bottom like the worker's:
 1. Every checked dataset of the namespace (``--dataset`` to narrow) has a consumer group
    ``checkers`` on its unchecked stream; this process is one consumer of it, so N processes on any
    hosts share the work.
-2. Up to ``--concurrency`` endings are judged at once, each with ``--timeout``; an ending a dead
-   checker held (pending, idle past what its tries could take) is claimed by a live one.
+2. Up to ``--concurrency`` endings are judged at once, each with ``--timeout``; a live checker
+   touches the endings it judges every TOUCH_EVERY_S, so one idle for CLAIM_AFTER_S was held by
+   a checker that is gone, and a live one takes it up.
 3. Each try of the checker on an ending is counted in Redis first (``check_tries``), so a checker
    that hangs, crashes or is killed with its process is tried ``--max-check-attempts`` times in
    all, then the ending is filed ``check_failed`` — never lost, never retried for ever.
@@ -39,6 +40,11 @@ from genq.schema import KIND_ERROR, JobSpec, loads
 log = logging.getLogger("genq.check")
 BLOCK_MS = 500  # one read waits this long for new endings
 CLAIM_EVERY_S = 5.0  # how often endings a dead checker held are looked for
+# A live checker touches the endings it is judging this often (XCLAIM to itself: their idle time
+# starts again), so one idle for CLAIM_AFTER_S was held by a checker that is gone, however long
+# its checks take.
+TOUCH_EVERY_S = 10.0
+CLAIM_AFTER_S = 30.0
 SETTINGS_EVERY_S = 2.0  # how often new datasets are looked for
 
 
@@ -51,12 +57,6 @@ class CheckConfig:
     burst: bool = False
     datasets: tuple[str, ...] = ()  # only these (empty: every checked dataset)
 
-    @property
-    def claim_after_ms(self) -> int:
-        """An ending pending this long was held by a checker that is gone: every try it could have
-        made, and a margin."""
-        return int(1000 * (self.max_attempts * (self.timeout + 5) + 30))
-
 
 class CheckLoop:
     def __init__(self, conn: redis.Redis, keys: Keys, checker: Checker, config: CheckConfig) -> None:
@@ -65,9 +65,10 @@ class CheckLoop:
         self.commit = VerdictCommit(conn, keys)
         self.settings: dict[str, datasets.DatasetSettings] = {}
         self.judged: dict[str, int] = {}  # status -> endings filed so by this process
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: dict[asyncio.Task, tuple[str, bytes]] = {}  # judging: (dataset, entry id)
         self._stopping = asyncio.Event()
         self._settings_at = self._claimed_at = -1e9
+        self._touched_at = time.monotonic()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -77,6 +78,7 @@ class CheckLoop:
             while not self._stopping.is_set():
                 await self._refresh_settings()
                 started = await self._start_free()
+                await self._touch()
                 if self._tasks:
                     await asyncio.wait(self._tasks, timeout=0 if started else 0.2)
                 if self.config.burst and not started and not self._tasks and await self._all_done():
@@ -122,9 +124,22 @@ class CheckLoop:
         read = await asyncio.to_thread(self._read, free)
         for name, entry_id, fields in read:
             task = asyncio.create_task(self._judge(name, entry_id, fields))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks[task] = (name, entry_id)
+            task.add_done_callback(lambda done: self._tasks.pop(done, None))
         return len(read)
+
+    async def _touch(self) -> None:
+        """Every TOUCH_EVERY_S, claim the endings under judgement again for this checker: their
+        idle time starts over, so no other checker takes them while this one lives."""
+        if time.monotonic() - self._touched_at < TOUCH_EVERY_S:
+            return
+        self._touched_at = time.monotonic()
+        held: dict[str, list[bytes]] = {}
+        for name, entry_id in list(self._tasks.values()):
+            held.setdefault(name, []).append(entry_id)
+        for name, ids in held.items():
+            stream, group = self.keys.unchecked(name), self.keys.checkers_group
+            await asyncio.to_thread(self.conn.xclaim, stream, group, self.name, 0, ids, justid=True)
 
     def _read(self, count: int) -> list[tuple[str, bytes, dict]]:
         """Endings to judge: first those a dead checker held (every CLAIM_EVERY_S), then new ones."""
@@ -132,14 +147,23 @@ class CheckLoop:
         found: list[tuple[str, bytes, dict]] = []
         if self._claim_due():
             for name in names:
-                _, claimed, _ = self.conn.xautoclaim(
+                answer = self.conn.xautoclaim(
                     self.keys.unchecked(name),
                     self.keys.checkers_group,
                     self.name,
-                    self.config.claim_after_ms,
+                    int(CLAIM_AFTER_S * 1000),
                     count=count - len(found),
                 )
-                found += [(name, entry_id, fields) for entry_id, fields in claimed if fields]
+                # [next id, entries] on Redis 6.2, [next id, entries, ids deleted meanwhile] on 7.
+                claimed = [(name, entry_id, fields) for entry_id, fields in answer[1] if fields]
+                if claimed:
+                    log.info(
+                        "check %s: took up %d endings of %s a checker that is gone held",
+                        self.name,
+                        len(claimed),
+                        name,
+                    )
+                found += claimed
         if len(found) < count and names:
             streams = {self.keys.unchecked(n): ">" for n in names}
             answer = self.conn.xreadgroup(

@@ -161,14 +161,14 @@ def test_a_kill_of_any_role_at_any_time_changes_nothing_of_the_result(procs, sta
     rows, k, m = 300, 2, 6
     data = tmp_path / "kills.jsonl"
     write_prompts(data, rows)
-    url = start_sim("--latency", "realistic", "--decode-step-ms", "4", "--min-len", "16", "--max-len", "64")
+    url = start_sim("--latency", "realistic", "--decode-step-ms", "10", "--min-len", "16", "--max-len", "64")
     assert (
         procs.run("enqueue", data, "--max-new-tokens", "64", "--accept", k, "--max-samples", m).returncode
         == 0
     )
     in_flight = 16
     roles = {
-        "worker": ("worker", "--server", url, "--concurrency", str(in_flight)),
+        "worker": ("worker", "--server", url, "--concurrency", str(in_flight), "--heartbeat-ttl", "5"),
         "check": ("check", "--check", "user_checks:third", "--concurrency", "4"),
         "collect": ("collect", "--out", str(out)),
     }
@@ -194,9 +194,11 @@ def test_a_kill_of_any_role_at_any_time_changes_nothing_of_the_result(procs, sta
     assert got == expected("kills", rows, k, m)
     assert counts["verdicts"] == {"accepted": len(accepted), "rejected": len(others)}
     assert_verified(procs, out, data)
-    # Two workers' start-up probes, each sample once, and what the killed worker had at the server.
+    # Two workers' start-up probes, each sample once, and what the killed worker had at the server;
+    # besides those, the kill can catch answers waiting for their group commit (LINGER_S, 25 ms, at
+    # about 40 answers a second here) and the commit on its way: a few.
     wasted = sim_stats(url)["generations"] - 2 - (len(accepted) + len(others))
-    assert 0 <= wasted <= in_flight + 2, wasted
+    assert 0 <= wasted <= in_flight + 4, wasted
 
 
 CHECK_SH = textwrap.dedent(
@@ -249,3 +251,42 @@ def test_a_command_checker_that_hangs_or_crashes_is_bounded_and_its_records_kept
     assert all("within 1 s" in r["check"]["reason"] for r in failed if r["row"] % 10 == 7)
     assert counts["verdicts"] == dict(Counter(status.values()))
     assert_verified(procs, out, data)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_what_a_killed_checker_was_judging_is_taken_up_by_another(procs, start_sim, out, tmp_path):
+    """A checker SIGKILLed in the middle of slow checks leaves those records pending in its group:
+    the next checker takes them up once they have been idle for CLAIM_AFTER_S (a live checker
+    keeps touching what it judges), and each is filed once."""
+    (tmp_path / "slow_checks.py").write_text(
+        "import time\n\ndef slow(record):\n    time.sleep(3)\n    return True\n"
+    )
+    env = {"PYTHONPATH": str(tmp_path)}
+    rows = 12
+    data = tmp_path / "slow.jsonl"
+    write_prompts(data, rows)
+    url = start_sim("--latency", "zero")
+    assert procs.run("enqueue", data, "--max-new-tokens", "16", "--checked").returncode == 0
+    worker = procs.start("worker", "--server", url, "--concurrency", "16")
+    collector = procs.start("collect", "--out", out)
+    first = procs.start("check", "--check", "slow_checks:slow", "--concurrency", "4", env=env)
+    conn = redis.Redis.from_url(procs.env["GENQ_REDIS_URL"])
+    keys = Keys(procs.env["GENQ_NAMESPACE"])
+
+    def judging() -> bool:
+        try:
+            return conn.xpending(keys.unchecked("slow"), keys.checkers_group)["pending"] >= 4
+        except redis.ResponseError:  # its group is not made yet
+            return False
+
+    wait_until(judging, 60, "the first checker judging 4 records")
+    sigkill(first)
+    second = procs.start("check", "--check", "slow_checks:slow", "--concurrency", "4", env=env)
+    counts = check_settled(procs, "slow", 200)
+    for proc in (worker, second, collector):
+        assert stop(proc, timeout=60) == 0, log_of(proc)
+    assert "endings of slow a checker that is gone held" in log_of(second)
+    accepted, others = outcome(out, "slow")
+    assert sorted(r["row"] for r in accepted) == list(range(rows)) and not others
+    assert counts["verdicts"] == {"accepted": rows}
