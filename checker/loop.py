@@ -44,6 +44,7 @@ CLAIM_EVERY_S = 5.0  # how often endings a dead checker held are looked for
 # starts again), so one idle for CLAIM_AFTER_S was held by a checker that is gone, however long
 # its checks take.
 TOUCH_EVERY_S = 10.0
+OUTAGE_WAIT_S = 1.0  # between two tries of a Redis that does not answer
 CLAIM_AFTER_S = 30.0
 SETTINGS_EVERY_S = 2.0  # how often new datasets are looked for
 
@@ -76,9 +77,15 @@ class CheckLoop:
             loop.add_signal_handler(sig, self._stopping.set)
         try:
             while not self._stopping.is_set():
-                await self._refresh_settings()
-                started = await self._start_free()
-                await self._touch()
+                try:
+                    await self._refresh_settings()
+                    started = await self._start_free()
+                    await self._touch()
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    # Redis away for a while: what is being judged stays pending in the group.
+                    log.warning("check %s: Redis did not answer (%s); trying again", self.name, exc)
+                    await asyncio.sleep(OUTAGE_WAIT_S)
+                    continue
                 if self._tasks:
                     await asyncio.wait(self._tasks, timeout=0 if started else 0.2)
                 if self.config.burst and not started and not self._tasks and await self._all_done():
@@ -183,6 +190,15 @@ class CheckLoop:
         return True
 
     async def _judge(self, name: str, entry_id: bytes, fields: dict) -> None:
+        try:
+            await self._judge_one(name, entry_id, fields)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Not filed: the ending stays pending, taken up again once idle (CLAIM_AFTER_S).
+            log.warning(
+                "check %s: %s of %s not filed, Redis did not answer (%s)", self.name, entry_id, name, exc
+            )
+
+    async def _judge_one(self, name: str, entry_id: bytes, fields: dict) -> None:
         settings = self.settings[name]
         try:
             entry = read_entry(fields, name, settings.samples)
