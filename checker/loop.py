@@ -45,6 +45,7 @@ CLAIM_EVERY_S = 5.0  # how often endings a dead checker held are looked for
 # its checks take.
 TOUCH_EVERY_S = 10.0
 OUTAGE_WAIT_S = 1.0  # between two tries of a Redis that does not answer
+IDLE_S = 0.5  # the wait while the namespace has no checked dataset
 CLAIM_AFTER_S = 30.0
 SETTINGS_EVERY_S = 2.0  # how often new datasets are looked for
 
@@ -88,6 +89,8 @@ class CheckLoop:
                     continue
                 if self._tasks:
                     await asyncio.wait(self._tasks, timeout=0 if started else 0.2)
+                elif not self.settings:  # no checked dataset yet: look again shortly
+                    await asyncio.sleep(IDLE_S)
                 if self.config.burst and not started and not self._tasks and await self._all_done():
                     break
         finally:
