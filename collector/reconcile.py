@@ -96,7 +96,9 @@ class Reconciler:
                             cut,
                             extra={"dataset": name},
                         )
-                    sizes[str(path)], marked = self._file(name, kind, path)
+                    sizes[str(path)], in_file = self._file(name, kind, path)
+                    if kind == KIND_RECORD:  # records and rejected samples: both have frames
+                        marked |= in_file
                 sizes[str(self.out / name / LOGPROBS)] = self._logprobs(name, marked)
                 return sizes
             except Stale:
