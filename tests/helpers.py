@@ -127,6 +127,47 @@ def genq_argv(*args: str) -> list[str]:
     return genq_command(*map(str, args))
 
 
+class StillRunning(subprocess.TimeoutExpired):
+    """A genq process that did not exit in time, with what it was doing: its log's last lines,
+    `genq status` of its namespace (a worker's jobs in flight, its queues), and its threads'
+    stacks where py-spy is installed. A rare hang is diagnosed from the run it happened in."""
+
+    def __init__(self, cmd: Any, timeout: float, diagnosis: str):
+        super().__init__(cmd, timeout)
+        self.diagnosis = diagnosis
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{self.diagnosis}"
+
+
+class GenqProcess(subprocess.Popen):
+    """A genq command started by :class:`Procs`: its log's path, and a wait that says why it is
+    still running when it times out."""
+
+    log_path: Path
+    env_of: dict[str, str]
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            return super().wait(timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise StillRunning(exc.cmd, exc.timeout, self.diagnosis()) from None
+
+    def diagnosis(self) -> str:
+        lines = Path(self.log_path).read_text(errors="replace").splitlines()[-30:]
+        parts = ["--- its log's last lines", *lines]
+        looks = [("genq status --json", genq_argv("status", "--json"))]
+        if spy := shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy"):
+            looks.append(("py-spy dump", [spy, "dump", "--pid", str(self.pid)]))
+        for title, argv in looks:
+            try:
+                out = subprocess.run(argv, env=self.env_of, capture_output=True, text=True, timeout=60)
+                parts += [f"--- {title}", out.stdout.strip() or out.stderr.strip()]
+            except subprocess.TimeoutExpired:
+                parts += [f"--- {title}: no answer in 60 s"]
+        return "\n".join(parts)
+
+
 class Procs:
     """Processes a test started; all killed at teardown, whatever happened."""
 
@@ -135,15 +176,12 @@ class Procs:
         self.logs = logs
         self.procs: list[subprocess.Popen] = []
 
-    def start(
-        self, *args: str, name: str | None = None, env: dict[str, str] | None = None
-    ) -> subprocess.Popen:
+    def start(self, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> GenqProcess:
         log = self.logs / f"{name or args[0]}-{len(self.procs)}.log"
+        full_env = {**self.env, **(env or {})}
         with open(log, "wb") as fh:
-            proc = subprocess.Popen(
-                genq_argv(*args), env={**self.env, **(env or {})}, stdout=fh, stderr=subprocess.STDOUT
-            )
-        proc.log_path = log  # type: ignore[attr-defined]
+            proc = GenqProcess(genq_argv(*args), env=full_env, stdout=fh, stderr=subprocess.STDOUT)
+        proc.log_path, proc.env_of = log, full_env
         self.procs.append(proc)
         return proc
 
