@@ -200,7 +200,9 @@ def test_a_prompt_over_the_slot_context(procs, llama, out, tmp_path):
     _check_exact(out, "ctx2", prompts, llama.url, skip=frozenset({3}))
 
 
-def test_a_chat_dataset_rendered_with_the_models_own_tokenizer(procs, llama, llama_model, out, tmp_path):
+def test_a_chat_dataset_rendered_with_the_models_own_tokenizer(
+    procs, llama, llama_model, out, tmp_path, report
+):
     """--tokenizer meets a real engine: the tiny model's tokenizer renders the conversations; the
     record keeps exactly the ids sent, and the output is the server's for them."""
     from transformers import AutoTokenizer
@@ -218,7 +220,14 @@ def test_a_chat_dataset_rendered_with_the_models_own_tokenizer(procs, llama, lla
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     worker = procs.start("worker", "--server", llama.url, "--burst")
-    assert worker.wait(120) == 0, log_of(worker)
+    # Past one attempt's deadline (120 s + 32 / 8: decision 8) with room to spare: once, in a
+    # loaded CI, the worker was still running after 120 s beside an idle llama-server, silent, as
+    # it is while a request the server never answers waits for that deadline; a shorter wait
+    # fails before the retry could show it (and a hang of genq's own still fails, said by
+    # StillRunning).
+    assert worker.wait(240) == 0, log_of(worker)
+    if timed_out := [line for line in log_of(worker).splitlines() if "no response within" in line]:
+        report(f"llama.cpp left {len(timed_out)} requests unanswered until their deadline: {timed_out[0]}")
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     prompts = [
