@@ -126,10 +126,12 @@ class Progress:
     def joined(self, last: Answer) -> Answer:
         """The whole output as one answer, as if one request had made it."""
         texts = [t for t in self.texts if t is not None]
+        whole = len(texts) == len(self.texts)  # else a server made no text for some (worker/detokenize.py)
         return dataclasses.replace(
             last,
             output_ids=list(self.output_ids),
-            text="".join(texts) if len(texts) == len(self.texts) else None,
+            text="".join(texts) if whole else None,
+            detokenized=whole,
             prompt_tokens=self.prompt_tokens if self.prompt_tokens is not None else last.prompt_tokens,
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens,

@@ -106,6 +106,11 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
     help="Honour sampling_seed (SGLang's --enable-deterministic-inference); off: accept and ignore it.",
 )
 @_option(
+    "--skip-tokenizer-init",
+    is_flag=True,
+    help="SGLang's flag: answers carry output_ids, no text; text prompts, stop, min_new_tokens refused.",
+)
+@_option(
     "--req-running-timeout",
     default=None,
     type=click.FloatRange(min=0, min_open=True),
@@ -174,6 +179,12 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
     type=RATE,
     help="Rate of answers whose logprobs hold a null, a -1e6 and a 1e6 (when asked for logprobs).",
 )
+@_option(
+    "--fail-no-text",
+    default=0.0,
+    type=RATE,
+    help="Rate of SGLang answers without text while /server_info says the server runs its tokenizer.",
+)
 @_option("--seed", default=0, type=int, help="Seed of the fault RNG.")
 def sim_server(
     host: str,
@@ -189,6 +200,7 @@ def sim_server(
     sglang_version: str,
     api_key: str | None,
     deterministic_inference: bool,
+    skip_tokenizer_init: bool,
     req_running_timeout: float | None,
     max_new_tokens_limit: int | None,
     startup_s: float,
@@ -216,6 +228,7 @@ def sim_server(
     fail_nan: float,
     fail_duplicate: float,
     fail_wild_logprobs: float,
+    fail_no_text: float,
     seed: int,
 ) -> None:
     """Run a simulator of an inference server's HTTP API (no GPU needed): SGLang's /generate, vLLM's
@@ -233,6 +246,7 @@ def sim_server(
             nan=fail_nan,
             duplicate=fail_duplicate,
             wild_logprobs=fail_wild_logprobs,
+            no_text=fail_no_text,
         )
         versions.parse(sglang_version)
         versions.parse(vllm_version)
@@ -251,6 +265,7 @@ def sim_server(
             version=sglang_version,
             api_key=api_key,
             deterministic=deterministic_inference,
+            skip_tokenizer_init=skip_tokenizer_init,
             req_running_timeout_s=req_running_timeout,
             max_new_tokens_limit=max_new_tokens_limit,
             startup_s=startup_s,

@@ -55,6 +55,9 @@ class SimConfig:
     deterministic: bool = True
     req_running_timeout_s: float | None = None  # SGLANG_REQ_RUNNING_TIMEOUT: 503 past it
     max_new_tokens_limit: int | None = None  # SGLANG_MAX_NEW_TOKENS_LIMIT: silent cap, length says
+    # SGLang's --skip-tokenizer-init: answers carry ids and no text; text prompts, stop strings and
+    # min_new_tokens are refused; /server_info says so.
+    skip_tokenizer_init: bool = False
     startup_s: float = 0.0  # /health answers 503 "starting" this long; generations wait for it
     health_timeout_s: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT: /health's generation gives up
 

@@ -24,6 +24,7 @@ FAULT_KINDS = (
     "nan",
     "duplicate",
     "wild_logprobs",
+    "no_text",
 )
 
 
@@ -41,6 +42,9 @@ class FaultRates:
     nan: float = 0.0  # 200 with finish_reason stop, matched "NaN happened" (the sampler hit NaN)
     duplicate: float = 0.0  # 400 "Duplicate request ID detected" (a rid reused while still held)
     wild_logprobs: float = 0.0  # 200 whose logprobs hold a null, a -1e6 and a 1e6 (model.wild)
+    # SGLang: 200 without text from a server whose /server_info says it runs its tokenizer (one
+    # restarted with --skip-tokenizer-init behind a client's back, a proxy that strips it).
+    no_text: float = 0.0
 
     def __post_init__(self) -> None:
         for kind in FAULT_KINDS:

@@ -48,6 +48,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             max_input_len=config.max_req_input_len,
             quirks=quirks,
             max_new_tokens_limit=config.max_new_tokens_limit,
+            skip_tokenizer_init=config.skip_tokenizer_init,
         )
     except RequestError as exc:
         state.stats.rejected += 1
@@ -89,7 +90,10 @@ async def _answer(
             # schedule_batch.py: the id sampled outside the vocabulary is replaced by EOS.
             output_ids = [*output_ids[:-1], model.EOS_TOKEN_ID]
             finish = {"type": "stop", "matched": "NaN happened"}
-    body: dict[str, Any] = {"text": text}
+    # --skip-tokenizer-init: no detokenizer, no text key (tokenizer_manager.py, BatchTokenIDOutput);
+    # the no_text fault: the same answer from a server whose /server_info says it has its tokenizer.
+    skips = state.config.skip_tokenizer_init or served.fault == "no_text"
+    body: dict[str, Any] = {} if skips else {"text": text}
     if state.quirks.output_ids_lead_with_prompt:
         body["output_ids"] = req.input_ids[-5:] + output_ids
     elif state.quirks.output_ids:
@@ -209,6 +213,7 @@ async def server_info(request: web.Request) -> web.Response:
             "max_running_requests": config.max_running_requests,
             "max_queued_requests": config.max_queued_requests,
             "enable_deterministic_inference": config.deterministic,
+            "skip_tokenizer_init": config.skip_tokenizer_init,
             "internal_states": [
                 {
                     "#running_req": scheduler.running if scheduler else 0,

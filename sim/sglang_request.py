@@ -138,8 +138,9 @@ def check_rid(body: dict[str, Any]) -> str | None:
     return rid
 
 
-def _prompt_ids(body: dict[str, Any]) -> list[int]:
-    """io_struct.py: one of text/input_ids/input_embeds; with both text and input_ids, the ids win."""
+def _prompt_ids(body: dict[str, Any], skip_tokenizer_init: bool) -> list[int]:
+    """io_struct.py: one of text/input_ids/input_embeds; with both text and input_ids, the ids win.
+    Without a tokenizer, text is refused (tokenizer_manager.py _tokenize_one_request)."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if body.get("input_embeds") is not None:
         raise RequestError("The simulator does not support input_embeds.")
@@ -151,6 +152,11 @@ def _prompt_ids(body: dict[str, Any]) -> list[int]:
     if input_ids is None:
         if not isinstance(text, str):
             raise RequestError("text: Input should be a valid string", kind="validation")
+        if skip_tokenizer_init:
+            raise RequestError(
+                "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please "
+                "provide input_ids or re-initialize the engine with skip_tokenizer_init=False."
+            )
         return model.tokenize(text)
     if not isinstance(input_ids, list) or not all(_is_int(i) for i in input_ids):
         raise RequestError("input_ids: Input should be a valid list of integers", kind="validation")
@@ -259,7 +265,30 @@ def _verify(params: dict[str, Any]) -> None:
         raise RequestError("The simulator does not support n > 1; send n separate requests.")
 
 
-def _sampling_params(body: dict[str, Any], quirks: Quirks) -> dict[str, Any]:
+def _needs_tokenizer(params: dict[str, Any]) -> None:
+    """sampling_params.py raise_if_tokenizer_required (normalize, before verify), on a server started
+    with --skip-tokenizer-init: what only its tokenizer could match or hold back."""
+    stop, stop_regex = params.get("stop"), params.get("stop_regex")
+    stops = [stop] if isinstance(stop, str) else stop
+    regexes = [stop_regex] if isinstance(stop_regex, str) else stop_regex
+    if stops:
+        raise RequestError(
+            f"stop={stops!r} is unavailable when skip_tokenizer_init=True "
+            "(requires tokenizer to decode tokens to text for matching)."
+        )
+    if regexes:
+        raise RequestError(
+            f"stop_regex={regexes!r} is unavailable when skip_tokenizer_init=True "
+            "(requires tokenizer to decode tokens to text for matching)."
+        )
+    if (params.get("min_new_tokens") or 0) > 0:
+        raise RequestError(
+            f"min_new_tokens={params['min_new_tokens']} is unavailable when skip_tokenizer_init=True "
+            "(requires tokenizer for eos_token_id)."
+        )
+
+
+def _sampling_params(body: dict[str, Any], quirks: Quirks, skip_tokenizer_init: bool) -> dict[str, Any]:
     params = body.get("sampling_params")
     if params is None:
         return {}
@@ -279,6 +308,8 @@ def _sampling_params(body: dict[str, Any], quirks: Quirks) -> dict[str, Any]:
     elif any(k not in known for k in params):  # SamplingParams(**params) -> TypeError, uncaught
         raise RequestError("Internal Server Error", kind="internal")
     _check_types(params)
+    if skip_tokenizer_init:
+        _needs_tokenizer(params)
     temperature = params.get("temperature")
     greedy = temperature is not None and 0 <= temperature < 1e-6
     # sampling_params.py normalizes greedy to temperature 1 with top_k 1 before verify() (so a top_k
@@ -327,13 +358,14 @@ def parse_generate(
     max_input_len: int,
     quirks: Quirks,
     max_new_tokens_limit: int | None = None,
+    skip_tokenizer_init: bool = False,
 ) -> GenerateRequest:
     """Validate a decoded /generate body; raises RequestError with SGLang's message."""
     rid = check_rid(body)
     if body.get("stream"):
         raise RequestError("The simulator does not support stream=true; use non-streamed /generate.")
-    input_ids = _prompt_ids(body)
-    params = _sampling_params(body, quirks)
+    input_ids = _prompt_ids(body, skip_tokenizer_init)
+    params = _sampling_params(body, quirks, skip_tokenizer_init)
     absent = "max_new_tokens" not in params
     requested = _fit_context(params, len(input_ids), context, max_input_len, quirks)
     wanted = model.DEFAULT_MAX_NEW_TOKENS if absent else (NO_LIMIT if requested is None else requested)

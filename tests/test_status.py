@@ -74,6 +74,7 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "genq_heartbeat_ttl": 60,
             "genq_suspects": 4,
             "genq_probation_s": 1800,  # 4 suspects, a send lately 450 s
+            "genq_held": "",  # it takes jobs
         },
     )
     conn.hset(keys.retrying(worker), "known", 2)
@@ -171,10 +172,18 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "alive": True,
             "suspects": 4,
             "probation_s": 1800.0,
+            "held": None,
         }
     ]
     assert data["suspects"] == 4 and data["probation_s"] == 1800.0
     assert "about 30 min 0 s until they pass (the ETA counts it)" in " ".join(data["warnings"])
+    assert not [w for w in data["warnings"] if "takes no jobs" in w]
+    # Its server gate closed (worker/gate.py): status says which worker, its server and why.
+    conn.hset(f"rq:worker:{worker}", "genq_held", "server looks down (connection: refused)")
+    held = [w for w in status(conn, keys, now=NOW)["warnings"] if "takes no jobs" in w]
+    assert held == [
+        f"worker {worker} takes no jobs: http://gpu-1:30000 server looks down (connection: refused)"
+    ]
     # Silent for longer than its own heartbeat TTL: killed, though RQ keeps its hash for minutes.
     conn.hset(f"rq:worker:{worker}", "genq_heartbeat_ttl", 2)
     assert [w["alive"] for w in status(conn, keys, now=NOW)["workers"]] == [False]

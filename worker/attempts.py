@@ -175,7 +175,7 @@ class Attempts:
                 abort = asyncio.create_task(self.gate.backend.abort(rid))
                 self._aborts.add(abort)
                 abort.add_done_callback(self._aborts.discard)
-            ending = await self._judge(t, tries, exc, attempt, served, life)
+            ending = await self._judge(t, tries, exc, attempt, served, life, sent)
             if ending is not None:
                 await self.fail(t, *ending, turn)
                 return None
@@ -205,16 +205,19 @@ class Attempts:
         tokens = (answer.completion_tokens, answer.prompt_tokens, spec.max_new_tokens)
         self.concurrency.answered(took, *tokens, known)
         self.send_s = took if self.send_s is None else self.send_s + SEND_S_WEIGHT * (took - self.send_s)
-        self.gate.served_one()
+        self.gate.served_one(sent)
         tries.attempt = attempt
         return answer
 
     async def _judge(
-        self, t: Taken, tries: Tries, exc: AttemptError, attempt: int, served: int, life: int
+        self, t: Taken, tries: Tries, exc: AttemptError, attempt: int, served: int, life: int, sent: float
     ) -> tuple[AttemptError, int] | None:
         """What a failed send costs (decision 7, docs/failures.md). Returns (error, attempts) when
         the job must end now, else None: retry, with the send charged or spared."""
         cost = exc.cost
+        if self.gate.wrong_answer(t.job.id, exc, life, sent):
+            # Wrong as every job's answer is: the server's configuration, not this prompt's fault.
+            return await self._spare(t, exc, attempt, life)
         if exc.dropped:
             if await self.gate.backend.healthy():
                 cost = Cost.ATTEMPT  # the server is fine: the drop was this request's
@@ -263,11 +266,12 @@ class Attempts:
         if exc.down:
             self.gate.note_failure(str(exc), life)
         if spared > self.config.max_spared:
-            where = (
-                "on replicas SGLang's router could not reach"
-                if exc.cost is Cost.REPLICA
-                else "while it served no other job of this worker"
-            )
+            if exc.rule is not None:
+                where = "while it answered every job wrongly this way"
+            elif exc.cost is Cost.REPLICA:
+                where = "on replicas SGLang's router could not reach"
+            else:
+                where = "while it served no other job of this worker"
             return AttemptError(
                 exc.kind,
                 f"{exc.message} (the server failed this prompt {spared} times {where}; "

@@ -116,12 +116,16 @@ class Worker:
         return self.gate.backend
 
     def _declines(self, settings: DatasetSettings) -> str | None:
-        """Why this worker leaves a dataset's jobs queued: its outputs are continued in pieces and
+        """Why this worker leaves a dataset's jobs queued: its server refuses the dataset's sampling
+        (SGLang without its tokenizer, stop strings); its outputs are continued in pieces and
         this worker's backend cannot send token ids; or its tokenizer is code, which the worker
         would run to render its conversations' turns (--turns all, a token backend), and this
         host has not consented (its own flag, never Redis's say). Its jobs wait, unfailed, for a
         worker that can (one on a token backend, one started with --trust-remote-code)."""
         prompting = settings.prompting
+        refused = self.backend.declines(settings.sampling_params)
+        if refused is not None:
+            return refused
         if prompting.get("continue_to") and self.backend.sends != "ids":
             return (
                 f"its outputs are continued in pieces (--continue-to), which needs token ids in and "
@@ -468,6 +472,7 @@ class Worker:
                 self.concurrency.target,
                 self.attempts.suspects,
                 self.attempts.probation_s,
+                self.gate.held,
             )
             await asyncio.sleep(REPORT_EVERY_S)
 

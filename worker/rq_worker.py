@@ -279,6 +279,7 @@ class Bookkeeper(BaseWorker):
         target: int,
         suspects: int,
         probation_s: float | None,
+        held: str | None,
     ) -> None:
         """genq's fields in the RQ worker hash, next to RQ's job counts, for status and monitor; and
         the per-dataset retrying counts rewritten whole (they survive a Redis restart this way)."""
@@ -295,6 +296,7 @@ class Bookkeeper(BaseWorker):
                     "genq_suspects": suspects,  # crash suspects on probation: resent one at a time
                     # about how long they take to pass ("" while unknown): status's ETA counts it
                     "genq_probation_s": "" if probation_s is None else round(probation_s, 1),
+                    "genq_held": held or "",  # why it takes no jobs now (its server gate), "" if it does
                 },
             )
             pipe.expire(self.key, self.heartbeat_ttl + 60)  # as RQ's own heartbeat does

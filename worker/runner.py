@@ -24,7 +24,7 @@ from genq.keys import Keys
 from genq.pieces import Progress
 from genq.schema import KIND_RECORD, JobSpec, now_iso
 from genq.templates import ChatTemplate, TemplateError
-from worker import metrics, pieces
+from worker import detokenize, metrics, pieces
 from worker.attempts import Attempts, Tries
 from worker.commits import GroupCommit
 from worker.config import WorkerConfig
@@ -60,6 +60,9 @@ class JobRunner:
         self.finish = finish
         self._templates: dict[bytes, ChatTemplate] = {}  # chat templates of conversation datasets
         self._template_lock = asyncio.Lock()
+        # dataset -> its tokenizer on this host, for answers without text; None: it has none here.
+        self._decoders: dict[str, ChatTemplate | None] = {}
+        self._said: set[tuple[str, str]] = set()  # (dataset, why) its records carry no text, said
         self._announced: dict[str, ServerInfo | None] = {}  # dataset -> the probe's facts said to Redis
 
     async def run(self, t: Taken) -> None:
@@ -79,6 +82,7 @@ class JobRunner:
         tries = Tries(started=time.monotonic())
         answer = await self.attempts.answer(t, t.spec, tries)
         if answer is not None:
+            answer = await self._with_text(t.spec, answer)
             record = self._record(t.spec, answer, tries)
             await self._succeed(t, record, self._frame(t, answer, record))
 
@@ -116,6 +120,7 @@ class JobRunner:
             answer = await self.attempts.answer(t, turn, tries, (k, n))
             if answer is None:
                 return
+            answer = await self._with_text(turn, answer)  # the next turn's prompt holds this answer
             record = self._record(turn, answer, tries)
             done.append({key: record.get(key) for key in conversation.TURN_FIELDS})
             answers.append(conversation.answer_message(record["content"], record["reasoning"]))
@@ -160,7 +165,7 @@ class JobRunner:
             context_full = True
         if answer is None:  # resumed with no room left for a piece: the checkpoint is the output
             answer = Answer(None, None, "length", None, 0, 0, None)
-        whole = progress.joined(answer)
+        whole = await self._with_text(spec, progress.joined(answer))
         record = build_record(
             spec,
             whole,
@@ -208,15 +213,79 @@ class JobRunner:
     async def _template(self, spec: JobSpec) -> ChatTemplate:
         """The dataset's chat template, loaded once per worker (transformers, offline), and only
         the one its settings recorded (genq/templates.py)."""
-        key = orjson.dumps([spec.dataset, spec.template], option=orjson.OPT_SORT_KEYS)
+        return await self._load_template(spec.dataset, spec.template or {})
+
+    async def _load_template(self, dataset: str, named: dict[str, Any]) -> ChatTemplate:
+        key = orjson.dumps([dataset, named], option=orjson.OPT_SORT_KEYS)
         async with self._template_lock:  # one load at a time: transformers' import is not thread-safe
             if key not in self._templates:
-                recorded = await self.redis(datasets.load, self.books.connection, self.keys, spec.dataset)
-                prompting = recorded.prompting if recorded else {}
+                prompting = await self._prompting(dataset)
                 self._templates[key] = await asyncio.to_thread(
-                    ChatTemplate.from_spec, spec.template or {}, prompting, self.config.trust_remote_code
+                    ChatTemplate.from_spec, named, prompting, self.config.trust_remote_code
                 )
         return self._templates[key]
+
+    async def _prompting(self, dataset: str) -> dict[str, Any]:
+        recorded = await self.redis(datasets.load, self.books.connection, self.keys, dataset)
+        return recorded.prompting if recorded else {}
+
+    async def _with_text(self, spec: JobSpec, answer: Answer) -> Answer:
+        """``answer`` with the text its server did not make (SGLang's --skip-tokenizer-init), decoded
+        with the dataset's tokenizer where this host has it (worker/detokenize.py); as it came, text
+        null, where it has not (said once per dataset: never an error)."""
+        if answer.detokenized or answer.output_ids is None:
+            return answer
+        decoder = await self._decoder(spec.dataset)
+        if decoder is None:
+            return answer
+        try:
+            text = await asyncio.to_thread(
+                detokenize.text_of,
+                decoder.tokenizer,
+                answer.output_ids,
+                answer.matched_stop,
+                spec.sampling_params,
+            )
+        except Exception as exc:  # a tokenizer's code can raise anything; the record goes without text
+            self._no_text(spec.dataset, f"its tokenizer could not decode ({type(exc).__name__}: {exc})")
+            return answer
+        return dataclasses.replace(answer, text=text, detokenized=True)
+
+    async def _decoder(self, dataset: str) -> ChatTemplate | None:
+        """The tokenizer the dataset was enqueued with (``--tokenizer``), checked and loaded as its
+        chat template is for conversation turns; None, said once, where this host has none."""
+        if dataset in self._decoders:
+            return self._decoders[dataset]
+        prompting = await self._prompting(dataset)
+        decoder = None
+        if not prompting.get("tokenizer"):
+            self._no_text(dataset, "it was enqueued without --tokenizer: genq has none to decode with")
+        else:
+            named = {
+                "tokenizer": prompting["tokenizer"],
+                "kwargs": prompting.get("chat_template_kwargs") or {},
+                "fingerprint": prompting.get("chat_template"),
+            }
+            try:
+                decoder = await self._load_template(dataset, named)
+            except TemplateError as exc:
+                self._no_text(dataset, str(exc))
+        self._decoders[dataset] = decoder
+        return decoder
+
+    def _no_text(self, dataset: str, why: str) -> None:
+        """Said once per dataset and reason."""
+        if (dataset, why) in self._said:
+            return
+        self._said.add((dataset, why))
+        log.warning(
+            "dataset %s: %s answers without text (it skips its tokenizer) and %s: records carry "
+            "output_ids and no text",
+            dataset,
+            self.config.server,
+            why,
+            extra=self.books.log_context(),
+        )
 
     def _record(self, spec: JobSpec, answer: Answer, tries: Tries) -> dict[str, Any]:
         return build_record(

@@ -37,6 +37,17 @@ HEALTH_TIMEOUT_S = 30.0
 # logprobs is a few MiB of JSON; a body past this is not an answer, and is not read into memory.
 MAX_BODY_MB = 64
 MAX_BODY_BYTES = MAX_BODY_MB << 20
+# The probe's generation: one greedy token after ids every vocabulary has. Its answer is checked
+# against this as a job's is against the job (Backend.check_probe).
+PROBE_IDS = [1, 2, 3]
+PROBE_SPEC = JobSpec(
+    dataset="genq-probe",
+    row=0,
+    sample=0,
+    id="genq-probe",
+    sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+    input_ids=PROBE_IDS,
+)
 
 
 class Cost(Enum):
@@ -69,6 +80,9 @@ class AttemptError(Exception):
     down: bool = False
     # The connection died mid-request: a crash if /health fails right after, else this request's.
     dropped: bool = False
+    # How an answer is wrong (``bad_response``), in the same words whatever the job: a run of
+    # answers wrong the same way is the server's configuration, not the jobs' fault (worker/gate.py).
+    rule: str | None = None
 
     def __str__(self) -> str:
         status = f" {self.status}" if self.status is not None else ""
@@ -92,6 +106,8 @@ class ServerInfo:
     vocab_size: int | None = None
     seeds: bool | None = None  # honours a per-request seed (reproducible samples)
     token_exact: bool = True  # output ids are the server's own, not re-tokenized text
+    # It runs no tokenizer (SGLang's --skip-tokenizer-init): answers carry ids, no text; None: unknown.
+    skips_tokenizer: bool | None = False
     notes: list[str] = field(default_factory=list)  # said once at worker start, and in status
 
     def prompt_limit(self) -> int | None:
@@ -110,6 +126,7 @@ class ServerInfo:
             "context_length": self.prompt_limit(),
             "seeds": self.seeds,
             "token_exact": self.token_exact,
+            "skips_tokenizer": self.skips_tokenizer,
         }
 
 
@@ -132,6 +149,9 @@ class Answer:
     content: str | None = None
     prompt_ids: list[int] | None = None  # the prompt as the server rendered it (chat APIs that say)
     logprobs: LogProbs | None = None  # when the job asked for them (genq/logprobs.py)
+    # The server made ``text``. False: it skips its tokenizer (SGLang's --skip-tokenizer-init) and
+    # answers ids alone; the worker decodes them where it has the dataset's tokenizer.
+    detokenized: bool = True
 
     def check(self, spec: JobSpec, vocab_size: int | None, text_always: bool) -> None:
         """Raise a ``bad_response`` AttemptError (an attempt charged: bounded like any other) if
@@ -142,29 +162,30 @@ class Answer:
         scheduler's ``check_finished``, vLLM's ``max_tokens``, llama.cpp's ``n_predict``), a known
         finish reason, token counts that are counts, and the text where the API always gives one."""
         if self.finish_reason not in ("stop", "length"):
-            raise AttemptError(
-                "bad_response", f"finish_reason {_brief(self.finish_reason)}, not stop or length"
-            )
+            raise wrong("finish_reason", f"finish_reason {_brief(self.finish_reason)}, not stop or length")
         for name in ("prompt_tokens", "completion_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise AttemptError("bad_response", f"{name} is {_brief(value)}, not a count")
+                raise wrong("counts", f"{name} is {_brief(value)}, not a count")
         if (text_always or self.text is not None) and not isinstance(self.text, str):
-            raise AttemptError("bad_response", f"the answer's text is {_brief(self.text)}, not a string")
+            raise wrong("text", f"the answer's text is {_brief(self.text)}, not a string")
         ids = self.output_ids
         if ids is None:
             return
         if not all(type(i) is int for i in ids) or (ids and min(ids) < 0):
             bad = next(i for i in ids if type(i) is not int or i < 0)
-            raise AttemptError("bad_response", f"output_ids holds {_brief(bad)}, not a token id")
+            raise wrong("ids", f"output_ids holds {_brief(bad)}, not a token id")
         if vocab_size is not None and ids and max(ids) >= vocab_size:
-            raise AttemptError(
-                "bad_response", f"output id {max(ids)} is outside the vocabulary [0, {vocab_size})"
-            )
+            raise wrong("vocabulary", f"output id {max(ids)} is outside the vocabulary [0, {vocab_size})")
         if len(ids) > spec.max_new_tokens:
-            raise AttemptError(
-                "bad_response", f"{len(ids)} output ids for a max_new_tokens of {spec.max_new_tokens}"
+            raise wrong(
+                "max_new_tokens", f"{len(ids)} output ids for a max_new_tokens of {spec.max_new_tokens}"
             )
+
+
+def wrong(rule: str, message: str) -> AttemptError:
+    """A ``bad_response``: an answer no engine could have given, wrong in the way ``rule`` names."""
+    return AttemptError("bad_response", message, rule=rule)
 
 
 def _brief(value: object) -> str:
@@ -294,8 +315,9 @@ class Backend(ABC):
     sends: ClassVar[str] = "ids"
     # Returns top-K log-probabilities per output token when a job asks (enqueue --logprobs).
     logprobs: ClassVar[bool] = False
-    # The API's answer always carries the text (a chat answer may be a tool call, or all reasoning).
-    text_always: ClassVar[bool] = True
+    # The API's answer always carries the text (a chat answer may be a tool call, or all reasoning);
+    # a server may say at its probe that it does not (SGLang's --skip-tokenizer-init).
+    text_always: bool = True
 
     def __init__(self, http: Http, model: str | None = None) -> None:
         self.http = http
@@ -316,6 +338,21 @@ class Backend(ABC):
         answer = await self.generate(spec, rid, timeout)
         answer.check(spec, self.info.vocab_size if self.info is not None else None, self.text_always)
         return answer
+
+    def check_probe(self, answer: Answer) -> None:
+        """The probe's 1-token generation checked as every answer is (:meth:`Answer.check`): a server
+        whose every answer would be refused is found before a job pays for it."""
+        answer.check(PROBE_SPEC, self.info.vocab_size if self.info is not None else None, self.text_always)
+
+    def wrong_answers_hint(self, exc: AttemptError) -> str:
+        """What to check on a server whose every answer is wrong the way ``exc`` is (the gate says it
+        once as it holds the worker's jobs). Engines name the flag they know of."""
+        return "check the server's engine, version and flags against genq's docs/engines.md"
+
+    def declines(self, sampling_params: dict[str, Any]) -> str | None:
+        """Why this server can never serve a dataset of these sampling settings (its jobs are left
+        queued for another worker), or None. Most engines take every key genq maps for them."""
+        return None
 
     async def abort(self, rid: str) -> None:  # noqa: B027 - most engines need nothing more
         """Stop the server's work on ``rid`` after giving up on it. Default: nothing beyond closing
@@ -405,4 +442,6 @@ def parse_json(raw: bytes) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise AttemptError("bad_response", f"body is not JSON ({len(raw)} bytes): {exc}") from exc
+        raise AttemptError(
+            "bad_response", f"body is not JSON ({len(raw)} bytes): {exc}", rule="json"
+        ) from exc

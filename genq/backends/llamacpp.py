@@ -37,6 +37,8 @@ from typing import Any
 import orjson
 
 from genq.backends.base import (
+    PROBE_IDS,
+    PROBE_SPEC,
     Answer,
     AttemptError,
     Backend,
@@ -46,11 +48,11 @@ from genq.backends.base import (
     error_message,
     from_status,
     parse_json,
+    wrong,
 )
 from genq.backends.load import Load, count, prometheus
 from genq.schema import JobSpec
 
-PROBE_IDS = [1, 2, 3]
 # genq's sampling keys -> /completion's, and the neutral value sent when the dataset set none.
 KEYS = {
     "temperature": ("temperature", 1.0),
@@ -92,7 +94,8 @@ class LlamaCpp(Backend):
             raise from_status(status, raw, None)
         if status != 200:
             raise ServerRefused(f"{url} refused a 1-token /completion ({status}): {error_message(raw)}")
-        if not isinstance((parse_json(raw) or {}).get("tokens"), list):
+        data = parse_json(raw)
+        if not isinstance((data if isinstance(data, dict) else {}).get("tokens"), list):
             raise ServerRefused(f"{url} answers /completion without tokens: genq needs return_tokens")
         self.info = ServerInfo(
             backend=self.name,
@@ -104,6 +107,7 @@ class LlamaCpp(Backend):
             vocab_size=_int(meta.get("n_vocab")),
             seeds=True,  # seeded sampling is honoured (batching aside)
         )
+        self.check_probe(answer(data, PROBE_SPEC))
         return self.info
 
     def body(self, spec: JobSpec) -> dict[str, Any]:
@@ -178,16 +182,16 @@ def from_slots(raw: bytes) -> tuple[int, int] | None:
 
 def answer(data: Any, spec: JobSpec) -> Answer:
     if not isinstance(data, dict):
-        raise AttemptError("bad_response", "response is not a JSON object")
+        raise wrong("object", "response is not a JSON object")
     tokens = data.get("tokens")
     if not isinstance(tokens, list):
-        raise AttemptError("bad_response", "response has no tokens")
+        raise wrong("output_ids", "response has no tokens")
     stop_type = data.get("stop_type")
     if stop_type not in ("eos", "word", "limit"):
-        raise AttemptError("bad_response", f"unexpected stop_type {stop_type!r}")
+        raise wrong("finish_reason", f"unexpected stop_type {stop_type!r}")
     prompt_tokens, completion_tokens = data.get("tokens_evaluated"), data.get("tokens_predicted")
     if not isinstance(prompt_tokens, int) or not isinstance(completion_tokens, int):
-        raise AttemptError("bad_response", "tokens_evaluated/tokens_predicted missing or not integers")
+        raise wrong("counts", "tokens_evaluated/tokens_predicted missing or not integers")
     timings = data.get("timings") if isinstance(data.get("timings"), dict) else {}
     truncated = bool(data.get("truncated"))
     if truncated or stop_type == "limit":

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from genq.backends import openai_compat as oai
-from genq.backends.base import Answer, AttemptError, Backend, Cost, ServerInfo
+from genq.backends.base import Answer, AttemptError, Backend, Cost, ServerInfo, wrong
 from genq.schema import JobSpec
 
 
@@ -94,7 +94,7 @@ def answer(data: Any, spec: JobSpec) -> Answer:
     reason = oai.finish(choice)
     message = choice.get("message")
     if not isinstance(message, dict):
-        raise AttemptError("bad_response", "response has no choices[0].message")
+        raise wrong("message", "response has no choices[0].message")
     content = message.get("content")
     reasoning = message.get("reasoning", message.get("reasoning_content"))
     prompt_tokens, completion_tokens, cached = oai.usage_counts(data)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from genq.backends.base import AttemptError, Cost, Http, ServerRefused, error_message, parse_json
+from genq.backends.base import AttemptError, Cost, Http, ServerRefused, error_message, parse_json, wrong
 
 # genq's sampling keys (SGLang's names, the dataset's recipe) -> OpenAI's chat API.
 OPENAI_KEYS = {
@@ -93,7 +93,7 @@ def first_choice(data: Any) -> dict[str, Any]:
     """The answer's ``choices[0]`` (genq asks for n=1)."""
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise AttemptError("bad_response", "response has no choices")
+        raise wrong("choices", "response has no choices")
     return choices[0]
 
 
@@ -153,10 +153,10 @@ def usage_counts(data: dict[str, Any]) -> tuple[int, int, int | None]:
     """(prompt, completion, cached) tokens; cached is None unless the server reports it."""
     usage = data.get("usage")
     if not isinstance(usage, dict):
-        raise AttemptError("bad_response", "response has no usage")
+        raise wrong("counts", "response has no usage")
     counts = [usage.get("prompt_tokens"), usage.get("completion_tokens")]
     if not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
-        raise AttemptError("bad_response", "usage.prompt_tokens/completion_tokens missing or not integers")
+        raise wrong("counts", "usage.prompt_tokens/completion_tokens missing or not integers")
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return counts[0], counts[1], cached if isinstance(cached, int) else None
@@ -178,7 +178,7 @@ def finish(choice: dict[str, Any]) -> str:
             200,
             cost=Cost.FATAL,
         )
-    raise AttemptError("bad_response", f"unexpected finish_reason {reason!r}")
+    raise wrong("finish_reason", f"unexpected finish_reason {reason!r}")
 
 
 def refused_probe(url: str, what: str, status: int, raw: bytes) -> ServerRefused:

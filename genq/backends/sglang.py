@@ -20,6 +20,16 @@ Facts from SGLang's own source (the wheels 0.4.6 to 0.5.23, paths under ``sglang
   request queue is full."; retraction under memory pressure is a 503 too.
 - ``managers/tokenizer_manager.py``: a rid still held answers 400 "Duplicate request ID
   detected" (0.5.15 on); ``/abort_request`` aborts every rid that starts with the one given.
+- ``--skip-tokenizer-init`` (SGLang's advice for ``input_ids`` workloads): no tokenizer or
+  detokenizer in the server. ``managers/tokenizer_manager.py`` (``_handle_batch_output``, the
+  ``BatchTokenIDOutput`` branch) answers ``{"output_ids", "meta_info"}`` with no ``text`` key;
+  ``/server_info`` (``utils/common.py`` build_server_info: the resolved server args) says
+  ``skip_tokenizer_init``; ``sampling/sampling_params.py`` (raise_if_tokenizer_required) refuses
+  ``stop``, ``stop_regex`` and ``min_new_tokens`` > 0, which need the tokenizer.
+- ``managers/detokenizer_manager.py``: the ``text`` of a server that runs its tokenizer is the
+  output ids decoded with the request's ``skip_special_tokens`` and
+  ``spaces_between_special_tokens``, the matched stop token trimmed unless ``no_stop_trim``
+  (trim_matched_stop); genq decodes the same way where the server does not (worker/detokenize.py).
 - ``sampling/sampling_batch_info.py``: ``sampling_seed`` is honoured only with
   ``--enable-deterministic-inference`` (shown as ``enable_deterministic_inference`` in
   /server_info), accepted and ignored otherwise.
@@ -47,6 +57,7 @@ import orjson
 from genq import sampling
 from genq.backends import sglang_router
 from genq.backends.base import (
+    PROBE_IDS,
     Answer,
     AttemptError,
     Backend,
@@ -57,6 +68,7 @@ from genq.backends.base import (
     error_message,
     from_status,
     parse_json,
+    wrong,
 )
 from genq.backends.load import Load, count, fraction, prometheus, summed
 from genq.logprobs import Invalid, LogProbs, number
@@ -64,7 +76,9 @@ from genq.schema import JobSpec
 
 NAN_MATCHED = "NaN happened"
 MIN_VERSION = "0.5.5"
-PROBE_IDS = [1, 2, 3]
+# The sampling keys a server without its tokenizer refuses (sampling/sampling_params.py
+# raise_if_tokenizer_required): matching a stop string, or holding EOS back, needs the tokenizer.
+NEEDS_TOKENIZER = ("stop", "stop_regex", "min_new_tokens")
 
 
 class SGLang(Backend):
@@ -81,6 +95,9 @@ class SGLang(Backend):
         self.router = False
         self.replicas: list[str] = []
         self.reached: str | None = None
+        # /server_info's skip_tokenizer_init at the last probe: None where genq cannot ask (behind
+        # a router whose replicas it cannot reach), so an answer without text may be right.
+        self.skips_tokenizer: bool | None = False
 
     async def _server_info(self, at: str | None = None) -> tuple[int, Any]:
         status, info = await self.http.get_json("/server_info", at=at)
@@ -139,7 +156,10 @@ class SGLang(Backend):
         card = cards["data"][0] if isinstance(cards, dict) and cards.get("data") else {}
         version = _str(info.get("version"))
         # None: behind a router whose replicas genq cannot ask.
-        seeds = bool(info.get("enable_deterministic_inference")) if "max_req_input_len" in info else None
+        asked = "max_req_input_len" in info
+        seeds = bool(info.get("enable_deterministic_inference")) if asked else None
+        self.skips_tokenizer = info.get("skip_tokenizer_init") is True if asked else None
+        self.text_always = self.skips_tokenizer is False
         result = ServerInfo(
             backend=self.name,
             url=url,
@@ -148,9 +168,17 @@ class SGLang(Backend):
             context_length=_int(info.get("context_length")) or _int(card.get("max_model_len")),
             max_input_len=_int(info.get("max_req_input_len")),
             seeds=seeds,
+            skips_tokenizer=self.skips_tokenizer,
         )
         if self.router:
             result.notes.append(self._router_note())
+        if self.skips_tokenizer:
+            result.notes.append(
+                "it skips its tokenizer (--skip-tokenizer-init): its answers are ids without text, which "
+                "this worker decodes with the dataset's tokenizer where it has it (records without it "
+                "carry no text); it refuses stop strings and min_new_tokens, so datasets that use them "
+                "stay queued for another worker"
+            )
         await self._probe_generate(result)
         if seeds is False:
             result.notes.append(
@@ -195,6 +223,7 @@ class SGLang(Backend):
                 f"{completion} completion tokens: its output_ids are not the completion's "
                 f"(SGLang 0.5.1 prefixes prompt tokens); genq needs SGLang >= {MIN_VERSION}"
             )
+        self.check_probe(answer(data))
 
     # -- generate ---------------------------------------------------------------------------
 
@@ -215,6 +244,28 @@ class SGLang(Backend):
         if status != 200:
             raise classify(status, raw, headers)
         return answer(parse_json(raw))
+
+    def wrong_answers_hint(self, exc: AttemptError) -> str:
+        if exc.rule != "text":
+            return super().wrong_answers_hint(exc)
+        said = {True: "true", False: "false", None: "not readable"}[self.skips_tokenizer]
+        return (
+            "it answers without text: is it started with --skip-tokenizer-init? genq reads "
+            f"skip_tokenizer_init from its /server_info ({said} at the last probe) and reads it again "
+            "before it resumes"
+        )
+
+    def declines(self, sampling_params: dict[str, Any]) -> str | None:
+        if not self.skips_tokenizer:
+            return None
+        used = [k for k in NEEDS_TOKENIZER if sampling_params.get(k) not in (None, [], "", 0)]
+        if not used:
+            return None
+        return (
+            f"its sampling uses {', '.join(used)}, which SGLang started with --skip-tokenizer-init "
+            "refuses (they need its tokenizer): its jobs stay queued for a worker whose server runs its "
+            "tokenizer"
+        )
 
     async def load(self) -> Load | None:
         """/v1/loads for the batch, /metrics (--enable-metrics) for retractions; either alone
@@ -340,7 +391,7 @@ def answer(data: Any) -> Answer:
     """The record's fields from a /generate body, or AttemptError if it is not a finished generation."""
     meta = data.get("meta_info") if isinstance(data, dict) else None
     if not isinstance(meta, dict):
-        raise AttemptError("bad_response", "response has no meta_info")
+        raise wrong("meta_info", "response has no meta_info")
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else None
     if kind == "abort":
@@ -349,16 +400,18 @@ def answer(data: Any) -> Answer:
         # The sampler produced NaN/an id outside the vocabulary: not a real completion.
         raise AttemptError("nan", "the server's sampler hit NaN (finish_reason matched 'NaN happened')", 200)
     if kind not in ("stop", "length"):
-        raise AttemptError("bad_response", f"unexpected finish_reason {finish!r}")
+        raise wrong("finish_reason", f"unexpected finish_reason {finish!r}")
     output_ids = data.get("output_ids")
     if not isinstance(output_ids, list):
-        raise AttemptError("bad_response", "response has no output_ids")
+        raise wrong("output_ids", "response has no output_ids")
     for name in ("prompt_tokens", "completion_tokens"):
         if not isinstance(meta.get(name), int):
-            raise AttemptError("bad_response", f"meta_info.{name} missing or not an integer")
+            raise wrong("counts", f"meta_info.{name} missing or not an integer")
+    text = data.get("text")
     return Answer(
         output_ids=output_ids,
-        text=data.get("text"),
+        text=text,
+        detokenized=text is not None,  # None: the server skips its tokenizer (else Answer.check refuses it)
         finish_reason=kind,
         matched_stop=finish.get("matched"),
         prompt_tokens=meta["prompt_tokens"],
@@ -374,7 +427,7 @@ def _logprobs(meta: dict[str, Any], n: int) -> LogProbs:
     output_top_logprobs = [[[logprob, id, text] × K], ...], one entry per output token."""
     token, top = meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or []
     if len(token) != n or (top and len(top) != n):
-        raise AttemptError("bad_response", f"{len(token)} logprobs for {n} output tokens")
+        raise wrong("logprobs", f"{len(token)} logprobs for {n} output tokens")
     rows = top or [[] for _ in token]
     try:  # a null or huge logprob is data (genq/logprobs.py); a shape that is not SGLang's is not
         return LogProbs(
@@ -383,7 +436,7 @@ def _logprobs(meta: dict[str, Any], n: int) -> LogProbs:
             [[number(x[0]) for x in row] for row in rows],
         )
     except (Invalid, TypeError, ValueError, IndexError, KeyError) as exc:
-        raise AttemptError("bad_response", f"logprobs not in SGLang's shape: {exc}") from exc
+        raise wrong("logprobs", f"logprobs not in SGLang's shape: {exc}") from exc
 
 
 def _key_hint() -> str:

@@ -34,12 +34,22 @@ from __future__ import annotations
 from typing import Any
 
 from genq.backends import openai_compat as oai
-from genq.backends.base import Answer, AttemptError, Backend, Cost, ServerInfo, ServerRefused, parse_json
+from genq.backends.base import (
+    PROBE_IDS,
+    PROBE_SPEC,
+    Answer,
+    AttemptError,
+    Backend,
+    Cost,
+    ServerInfo,
+    ServerRefused,
+    parse_json,
+    wrong,
+)
 from genq.backends.load import Load, count, fraction, info_labels, prometheus
 from genq.logprobs import Invalid, LogProbs, number
 from genq.schema import JobSpec
 
-PROBE_IDS = [1, 2, 3]
 OPEN_BYTES_MAX = 4  # ids looked back for a character cut short: its bytes after the first, and none
 DETOKENIZE_TIMEOUT_S = 10.0
 
@@ -66,8 +76,9 @@ class VLLM(Backend):
             raise oai.classify(status, raw, None)
         if status != 200:
             raise oai.refused_probe(url, "/v1/completions", status, raw)
-        choices = (parse_json(raw) or {}).get("choices") or [{}]
-        if not isinstance(choices[0].get("token_ids"), list):
+        data = parse_json(raw)
+        choices = (data if isinstance(data, dict) else {}).get("choices") or [{}]
+        if not isinstance(choices[0], dict) or not isinstance(choices[0].get("token_ids"), list):
             raise ServerRefused(
                 f"{url} (vLLM {version or '?'}) answers /v1/completions without token_ids: genq's vllm "
                 "backend needs vLLM >= 0.10.2 (return_token_ids) for token-exact records; for text "
@@ -82,6 +93,7 @@ class VLLM(Backend):
             context_length=max_len if isinstance(max_len, int) else None,
             seeds=True,  # per-request seeds are honoured (v1/worker/gpu_model_runner.py)
         )
+        self.check_probe(answer(data, PROBE_SPEC))
         return self.info
 
     def body(self, spec: JobSpec) -> dict[str, Any]:
@@ -190,12 +202,12 @@ def answer(data: Any, spec: JobSpec) -> Answer:
     reason = oai.finish(choice)
     output_ids = choice.get("token_ids")
     if not isinstance(output_ids, list):
-        raise AttemptError("bad_response", "response has no choices[0].token_ids")
+        raise wrong("output_ids", "response has no choices[0].token_ids")
     echoed = choice.get("prompt_token_ids")
     if echoed is not None and spec.input_ids is not None and echoed != spec.input_ids:
-        raise AttemptError("bad_response", "prompt_token_ids echoed differ from the prompt sent")
+        raise wrong("prompt_echo", "prompt_token_ids echoed differ from the prompt sent")
     if spec.input_ids is None and not (isinstance(echoed, list) and all(type(i) is int for i in echoed)):
-        raise AttemptError("bad_response", "a text prompt's answer has no choices[0].prompt_token_ids")
+        raise wrong("prompt_echo", "a text prompt's answer has no choices[0].prompt_token_ids")
     prompt_tokens, completion_tokens, cached = oai.usage_counts(data)
     asked = spec.max_new_tokens
     cut = len(output_ids) if reason == "length" and len(output_ids) < asked else None
@@ -217,7 +229,7 @@ def _logprobs(data: Any, output_ids: list[int], k: int) -> LogProbs:
     """choices[0].logprobs: token_logprobs per output token, top_logprobs as {"token_id:N": logprob}
     (the sampled token may be among them or beside them: the K best are kept)."""
     if not isinstance(data, dict) or len(data.get("token_logprobs") or []) != len(output_ids):
-        raise AttemptError("bad_response", "response has no logprobs for every output token")
+        raise wrong("logprobs", "response has no logprobs for every output token")
     rows = data.get("top_logprobs") or [{} for _ in output_ids]
     try:  # a null or huge logprob is data (genq/logprobs.py); a shape that is not vLLM's is not
         top = [
@@ -226,7 +238,7 @@ def _logprobs(data: Any, output_ids: list[int], k: int) -> LogProbs:
         ]
         token = [number(x) for x in data["token_logprobs"]]
     except (Invalid, TypeError, ValueError, AttributeError) as exc:
-        raise AttemptError("bad_response", f"logprobs not in vLLM's shape: {exc}") from exc
+        raise wrong("logprobs", f"logprobs not in vLLM's shape: {exc}") from exc
     return LogProbs(token, [[i for _, i in row] for row in top], [[v for v, _ in row] for row in top])
 
 

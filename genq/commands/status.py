@@ -54,6 +54,7 @@ def workers(conn: redis.Redis, keys: Keys, now: float) -> list[dict[str, Any]]:
                 "retries": num("genq_retries"),
                 "suspects": num("genq_suspects"),
                 "probation_s": seconds(h.get("genq_probation_s")),
+                "held": h.get("genq_held") or None,  # why it takes no jobs now (worker/gate.py)
                 "backend": h.get("genq_backend"),
                 "server_version": h.get("genq_version"),
                 "model": h.get("genq_model"),
@@ -182,9 +183,14 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
 
 
 def warnings(settings: dict[str, datasets.DatasetSettings], alive: list[dict[str, Any]]) -> list[str]:
-    """What the numbers alone do not show: samples that rely on seeds a server ignores."""
+    """What the numbers alone do not show: workers that take no jobs and why (a server down, or
+    answering wrongly), and samples that rely on seeds a server ignores."""
     ignoring = sorted({w["server"] or "?" for w in alive if w["seeds"] is False})
-    out = []
+    out = [
+        f"worker {w['name']} takes no jobs: {w['server'] or '?'} {w['held']}"
+        for w in alive
+        if w["alive"] and w["held"]
+    ]
     for name, s in settings.items():
         if ignoring and ("sampling_seed" in s.sampling_params or s.samples > 1):
             out.append(
