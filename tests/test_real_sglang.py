@@ -61,6 +61,11 @@ COUNTED = ("--enable-metrics", "--log-requests", "--log-requests-level", "0")
 GENERATES = ("sglang:http_requests_total", 'endpoint="/generate"')
 
 
+# SGLang's advice for input_ids workloads (the job genq was built for): no tokenizer or detokenizer in
+# the server; its answers carry output_ids and no text, which the worker decodes (Backend.decode).
+SKIP = "--skip-tokenizer-init"
+
+
 @pytest.fixture(scope="module")
 def sglang(sglang_install, tmp_path_factory):
     """The module's server, counting the generations it is asked for."""
@@ -68,6 +73,30 @@ def sglang(sglang_install, tmp_path_factory):
     server = sglang_server(python, model, tmp_path_factory.mktemp("sglang") / "sglang.log", *COUNTED)
     yield server.start()
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def sglang_skip(sglang_install, tmp_path_factory):
+    """The module's server started with --skip-tokenizer-init, counting as the other does."""
+    python, model = sglang_install
+    server = sglang_server(
+        python, model, tmp_path_factory.mktemp("sglang-skip") / "sglang.log", *COUNTED, SKIP
+    )
+    yield server.start()
+    server.stop()
+
+
+# The tests that run on both: with its tokenizer, and without it (SKIP).
+BOTH = pytest.mark.parametrize("server", ["sglang", "sglang_skip"], ids=["tokenizer", "skip-tokenizer-init"])
+
+
+def _check_texts(records: list[dict], prompts: list[list[int]], url: str) -> None:
+    """Each record's text is the one SGLang's own detokenizer makes of the same greedy output (``url``:
+    a server with its tokenizer), whether the server made it or the worker decoded it."""
+    want = sglang_direct(url, [prompts[r["row"]] for r in records], GREEDY)
+    for r, direct in zip(records, want, strict=True):
+        assert r["output_ids"] == direct["output_ids"], r["id"]
+        assert r["text"] == direct["text"] and r["content"] == direct["text"], f"{r['id']}: not SGLang's text"
 
 
 def _check_exact(
@@ -85,31 +114,44 @@ def _check_exact(
     return records
 
 
-def test_records_equal_direct_greedy_generate_and_nothing_is_generated_twice(procs, sglang, out, tmp_path):
+@BOTH
+def test_records_equal_direct_greedy_generate_and_nothing_is_generated_twice(
+    procs, sglang, sglang_install, server, request, out, tmp_path
+):
+    """Pre-tokenized prompts (the tokenizer given to enqueue, as the EAGLE-3 job does): each record
+    the server's greedy output, and its text SGLang's own, made by the server or, where it skips its
+    tokenizer, by the worker."""
+    target = request.getfixturevalue(server)
     prompts = hf_prompts(240)
     data = write_ids(tmp_path / "exact.jsonl", prompts)
+    _, model = sglang_install
     res = procs.run(
-        "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--server", sglang.url
-    )
+        "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--server", target.url,
+        "--tokenizer", model,
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "enqueued 240" in res.stdout
-    before = metric(sglang.url, *GENERATES)  # after enqueue's own 1-token probe of the server
-    logs = run_burst(procs, out, sglang.url, ("--concurrency", "16"), ("--concurrency", "16"))
+    before = metric(target.url, *GENERATES)  # after enqueue's own 1-token probe of the server
+    logs = run_burst(procs, out, target.url, ("--concurrency", "16"), ("--concurrency", "16"))
     # The start-up probe read the real /server_info and /model_info.
     assert "sglang detected 0.5.23" in logs[0], logs[0]
-    generated = metric(sglang.url, *GENERATES) - before
+    assert ("skips its tokenizer" in logs[0]) is (server == "sglang_skip"), logs[0]
+    generated = metric(target.url, *GENERATES) - before
     # Each worker's 1-token probe, each prompt once: no generation wasted.
     assert generated == len(prompts) + 2, f"{generated} generations for {len(prompts)} prompts"
-    per_job = generations_per_job("sglang", sglang.log)
+    per_job = generations_per_job("sglang", target.log)
     assert sorted(per_job[f"{procs.env['GENQ_NAMESPACE']}--exact-{i}"] for i in range(len(prompts))) == [
         1
     ] * len(prompts), "each prompt generated once"
-    _check_exact(out, "exact", prompts, sglang.url)
+    records = _check_exact(out, "exact", prompts, target.url)
+    _check_texts(records, prompts, sglang.url)
     assert_verified(procs, out, data)
     status = status_json(procs)
     assert status["datasets"]["exact"]["done"] == len(prompts)
     # A second enqueue finds everything on disk.
-    res = procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0")
+    res = procs.run(
+        "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--tokenizer", model
+    )
     assert "enqueued 0, skipped 240" in res.stdout, res.stdout
 
 
@@ -127,17 +169,21 @@ def test_outputs_in_pieces_equal_one_request(procs, sglang, out, tmp_path, repor
 
 
 @pytest.mark.timeout(600)
-def test_the_server_killed_and_stopped_mid_run(procs, sglang_install, out, tmp_path):
+@pytest.mark.parametrize("started", [(), (SKIP,)], ids=["tokenizer", "skip-tokenizer-init"])
+def test_the_server_killed_and_stopped_mid_run(procs, sglang, sglang_install, started, out, tmp_path):
     """SIGKILL with requests in flight, a restart; SIGSTOP past genq's request deadline, so its
-    timeout sends the real /abort_request, then SIGCONT: each prompt once, as direct calls."""
+    timeout sends the real /abort_request, then SIGCONT: each prompt once, as direct calls, with
+    SGLang's own text; none failed."""
     python, model = sglang_install
-    server = sglang_server(python, model, tmp_path / "sglang.log")
+    server = sglang_server(python, model, tmp_path / "sglang.log", *started)
     server.start()
-    prompts = hf_prompts(240, seed=1)
+    prompts = hf_prompts(400, seed=1)
     data = write_ids(tmp_path / "kills.jsonl", prompts)
     flags = ("--concurrency", "8", "--request-timeout", "4", "--max-attempts", "20", "--heartbeat-ttl", "5")
     try:
-        res = procs.run("enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0")
+        res = procs.run(
+            "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--tokenizer", model
+        )
         assert res.returncode == 0, res.stderr
         collector = procs.start("collect", "--out", out)
         worker = procs.start("worker", "--server", server.url, *flags)
@@ -145,17 +191,18 @@ def test_the_server_killed_and_stopped_mid_run(procs, sglang_install, out, tmp_p
         def at(n: int) -> None:
             wait_for_records(procs, "kills", n, 120, in_flight=True)
 
-        at(40)
+        at(60)
         server.kill()  # every request in flight is dropped
         wait_until(lambda: "looks down" in log_of(worker), 60, "the worker to notice")
         server.start()
-        at(110)
+        at(180)
         server.signal(signal.SIGSTOP)  # every request in flight hangs past its 4 s deadline
         wait_until(lambda: "failed: timeout" in log_of(worker), 60, "a request to time out")
         time.sleep(2)
         server.signal(signal.SIGCONT)
         finish_run(procs, "kills", len(prompts), 120, worker, collector)
-        _check_exact(out, "kills", prompts, server.url)
+        records = _check_exact(out, "kills", prompts, server.url)
+        _check_texts(records, prompts, sglang.url)
         assert not read_jsonl(out / "kills" / "errors.jsonl")
         assert_verified(procs, out, data)
         # The aborts reached the real server once it ran again: it logs each one it carried out.
@@ -278,9 +325,14 @@ def test_logprobs_equal_a_direct_calls(procs, sglang, out, tmp_path):
             assert row == pytest.approx([t[0] for t in want_row], rel=2e-3, abs=2e-3)
 
 
-def test_turns_all_with_the_models_chat_template(procs, sglang, sglang_install, out, tmp_path):
+@BOTH
+def test_turns_all_with_the_models_chat_template(
+    procs, sglang, sglang_install, server, request, out, tmp_path
+):
     """Each turn's prompt ids are the tiny model's template over the conversation so far (with the
-    model's own earlier answers); each turn's output is the server's for that prompt."""
+    model's own earlier answers, as SGLang's text: decoded by the worker where the server skips its
+    tokenizer); each turn's output is the server's for that prompt."""
+    target = request.getfixturevalue(server)
     _, model = sglang_install
     tok = AutoTokenizer.from_pretrained(str(model))
     rows = [
@@ -304,10 +356,10 @@ def test_turns_all_with_the_models_chat_template(procs, sglang, sglang_install, 
     data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     res = procs.run(
         "enqueue", data, "--tokenizer", model, "--turns", "all", "--max-new-tokens", str(MAX_NEW),
-        "--temperature", "0", "--server", sglang.url,
+        "--temperature", "0", "--server", target.url,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
-    run_burst(procs, out, sglang.url, ("--concurrency", "8"))
+    run_burst(procs, out, target.url, ("--concurrency", "8"))
     records = read_jsonl(out / "chat" / "raw_responses.jsonl")
     assert sorted(r["row"] for r in records) == list(range(len(rows)))
     for r in records:
@@ -318,8 +370,9 @@ def test_turns_all_with_the_models_chat_template(procs, sglang, sglang_install, 
                 turn_prompt(source, answers, k), add_generation_prompt=True, tokenize=True, return_dict=True
             )["input_ids"]
             assert turn["input_ids"] == list(ids), f"{r['id']} turn {k}: not the template's prompt"
-            (want,) = sglang_direct(sglang.url, [list(ids)], GREEDY)
+            (want,) = sglang_direct(sglang.url, [list(ids)], GREEDY)  # the server with its tokenizer
             assert turn["output_ids"] == want["output_ids"], f"{r['id']} turn {k}: not the server's output"
+            assert turn["content"] == want["text"], f"{r['id']} turn {k}: not SGLang's text"
             answers.append(answer_message(want["text"], None))
         assert len(r["turns"]) == sum(m["role"] == "user" for m in source)
 
@@ -503,7 +556,7 @@ def _without_metrics(body):
 def _server_info_agrees(real: str, sim: str) -> list[str]:
     """The /server_info fields genq reads (genq/backends/sglang.py probe)."""
     a, b = sim_get(real, "/server_info"), sim_get(sim, "/server_info")
-    keys = ("context_length", "max_req_input_len", "version")
+    keys = ("context_length", "max_req_input_len", "version", "skip_tokenizer_init")
     return [f"server_info.{k}: {b.get(k)!r}, real {a.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
@@ -558,6 +611,33 @@ def test_the_simulator_answers_as_the_real_sglang(sglang, start_sim):
         real, simulated = scenario(sglang.url), scenario(sim)
         found += [f"{name}: {k} {simulated[k]!r}, real {real[k]!r}" for k in real if real[k] != simulated[k]]
     assert not found, "the simulator differs from the real SGLang:\n" + "\n".join(found)
+
+
+# Started with --skip-tokenizer-init: ids in, ids out, and what needs the tokenizer refused.
+SKIP_CASES = [
+    _gen("ids", values=FINISH),
+    _gen(
+        "stop token id", {"stop_token_ids": [P[0]], "ignore_eos": False}, values=("meta_info.prompt_tokens",)
+    ),
+    _gen("logprobs, top 5", {"max_new_tokens": 3}, return_logprob=True, top_logprobs_num=5),
+    Case("text prompt", "/generate", {"text": "Hello world", "sampling_params": SHORT}, message=True),
+    _gen("stop string", {"stop": ["zzz"]}, message=True),
+    _gen("stop_regex", {"stop_regex": "qqq+"}, message=True),
+    _gen("min_new_tokens", {"min_new_tokens": 1}, message=True),
+    _gen("min_new_tokens 0", {"min_new_tokens": 0}, values=FINISH),
+]
+
+
+def test_the_simulator_answers_as_the_real_sglang_without_its_tokenizer(sglang_skip, start_sim):
+    """SGLang started with --skip-tokenizer-init and the simulator with the same flag: answers without
+    text, the same refusals in the same words, and /server_info saying so."""
+    sim = start_sim(
+        "--sglang-version", "0.5.23", "--context-length", str(CONTEXT), "--latency", "realistic", SKIP
+    )
+    found = compare(sglang_skip.url, sim, SKIP_CASES, {}, _without_metrics)
+    found += _server_info_agrees(sglang_skip.url, sim)
+    assert sim_get(sglang_skip.url, "/server_info")["skip_tokenizer_init"] is True
+    assert not found, "the simulator differs from the real SGLang without its tokenizer:\n" + "\n".join(found)
 
 
 def test_load_reads_the_real_sglang_as_it_reads_the_simulator(sglang, start_sim):

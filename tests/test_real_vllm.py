@@ -352,3 +352,36 @@ def test_load_reads_the_real_vllm_as_it_reads_the_simulator(vllm, start_sim):
     real, simulated = server_load(vllm.url, "vllm"), server_load(sim, "vllm")
     assert real is not None and load_shape(real) == load_shape(simulated), (real, simulated)
     assert (real.running, real.waiting, real.preempted) == (0, 0, 0), real
+
+
+@pytest.mark.timeout(900)  # a second server's start beside the module's, then a short run
+def test_a_server_without_its_tokenizer_gives_the_same_records(procs, vllm, vllm_install, out, tmp_path):
+    """vLLM started with --skip-tokenizer-init answers "" for every text. genq's probe tells (its
+    /detokenize refuses for want of a tokenizer), and the worker decodes the ids with the dataset's
+    tokenizer as vLLM's detokenizer would: each record is the module server's (which runs its
+    tokenizer), its text included; nothing failed, nothing was charged twice."""
+    python, model = vllm_install
+    server = vllm_server(python, model, tmp_path / "vllm.log", "--skip-tokenizer-init")
+    server.start()
+    prompts = hf_prompts(120, seed=13)
+    data = write_ids(tmp_path / "skip.jsonl", prompts)
+    try:
+        status, refused = post(server.url, "/detokenize", {"model": str(model), "tokens": [5, 6]})
+        assert status == 400, refused
+        res = procs.run(
+            "enqueue", data, "--max-new-tokens", str(MAX_NEW), "--temperature", "0", "--tokenizer", model,
+            "--server", server.url,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        logs = run_burst(procs, out, server.url, ("--concurrency", "16", "--max-attempts", "1"))
+        assert "skips its tokenizer" in logs[0], logs[0]
+    finally:
+        server.stop()
+    records = read_jsonl(out / "skip" / "raw_responses.jsonl")
+    assert sorted(r["row"] for r in records) == list(range(len(prompts))), "each prompt exactly once"
+    want = completions(vllm.url, [prompts[r["row"]] for r in records])
+    for r, choice in zip(records, want, strict=True):
+        assert r["output_ids"] == choice["token_ids"], f"{r['id']}: not the greedy output"
+        assert r["text"] == choice["text"], f"{r['id']}: not vLLM's text"
+    assert all(r["text"] for r in records), "an empty text: the server's, not decoded"
+    assert not read_jsonl(out / "skip" / "errors.jsonl")

@@ -24,7 +24,7 @@ from genq.keys import Keys
 from genq.pieces import Progress
 from genq.schema import KIND_RECORD, JobSpec, now_iso
 from genq.templates import ChatTemplate, TemplateError
-from worker import detokenize, metrics, pieces
+from worker import metrics, pieces
 from worker.attempts import Attempts, Tries
 from worker.commits import GroupCommit
 from worker.config import WorkerConfig
@@ -230,22 +230,17 @@ class JobRunner:
         return recorded.prompting if recorded else {}
 
     async def _with_text(self, spec: JobSpec, answer: Answer) -> Answer:
-        """``answer`` with the text its server did not make (SGLang's --skip-tokenizer-init), decoded
-        with the dataset's tokenizer where this host has it (worker/detokenize.py); as it came, text
-        null, where it has not (said once per dataset: never an error)."""
+        """``answer`` with the text its server did not make (--skip-tokenizer-init), decoded with the
+        dataset's tokenizer where this host has it, as the engine would have (Backend.decode); as
+        it came, text null, where it has not (said once per dataset: never an error)."""
         if answer.detokenized or answer.output_ids is None:
             return answer
         decoder = await self._decoder(spec.dataset)
         if decoder is None:
             return answer
         try:
-            text = await asyncio.to_thread(
-                detokenize.text_of,
-                decoder.tokenizer,
-                answer.output_ids,
-                answer.matched_stop,
-                spec.sampling_params,
-            )
+            decode = self._backend().decode
+            text = await asyncio.to_thread(decode, decoder.tokenizer, answer, spec)
         except Exception as exc:  # a tokenizer's code can raise anything; the record goes without text
             self._no_text(spec.dataset, f"its tokenizer could not decode ({type(exc).__name__}: {exc})")
             return answer

@@ -183,6 +183,27 @@ class Answer:
             )
 
 
+def text_ids(answer: Answer, sampling_params: dict[str, Any]) -> list[int]:
+    """The output ids an engine's text is made of: the matched stop token left out unless the job
+    keeps it (``no_stop_trim``; vLLM's include_stop_str_in_output); it is the last id. SGLang:
+    managers/detokenizer_manager.py trim_matched_stop ("we can always assume"); vLLM:
+    v1/engine/detokenizer.py update (stop_terminated)."""
+    ids = answer.output_ids or []
+    if type(answer.matched_stop) is int and ids and not sampling_params.get("no_stop_trim"):
+        return ids[:-1]
+    return ids
+
+
+def decode_ids(tokenizer: Any, ids: list[int], sampling_params: dict[str, Any]) -> str:
+    """``ids`` decoded with the job's ``skip_special_tokens`` and ``spaces_between_special_tokens``
+    (true by default in SGLang and vLLM)."""
+    return tokenizer.decode(
+        ids,
+        skip_special_tokens=sampling_params.get("skip_special_tokens", True),
+        spaces_between_special_tokens=sampling_params.get("spaces_between_special_tokens", True),
+    )
+
+
 def wrong(rule: str, message: str) -> AttemptError:
     """A ``bad_response``: an answer no engine could have given, wrong in the way ``rule`` names."""
     return AttemptError("bad_response", message, rule=rule)
@@ -343,6 +364,13 @@ class Backend(ABC):
         """The probe's 1-token generation checked as every answer is (:meth:`Answer.check`): a server
         whose every answer would be refused is found before a job pays for it."""
         answer.check(PROBE_SPEC, self.info.vocab_size if self.info is not None else None, self.text_always)
+
+    def decode(self, tokenizer: Any, answer: Answer, spec: JobSpec) -> str:
+        """The text the server would have made of ``answer`` to ``spec`` had it run its tokenizer,
+        for a server that does not (``answer.detokenized`` False): the worker decodes with the
+        dataset's tokenizer. This default is one decode of the ids the text is made of; engines
+        whose detokenizer works otherwise (incrementally, with the prompt as context) say how."""
+        return decode_ids(tokenizer, text_ids(answer, spec.sampling_params), spec.sampling_params)
 
     def wrong_answers_hint(self, exc: AttemptError) -> str:
         """What to check on a server whose every answer is wrong the way ``exc`` is (the gate says it

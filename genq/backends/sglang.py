@@ -26,10 +26,15 @@ Facts from SGLang's own source (the wheels 0.4.6 to 0.5.23, paths under ``sglang
   ``/server_info`` (``utils/common.py`` build_server_info: the resolved server args) says
   ``skip_tokenizer_init``; ``sampling/sampling_params.py`` (raise_if_tokenizer_required) refuses
   ``stop``, ``stop_regex`` and ``min_new_tokens`` > 0, which need the tokenizer.
-- ``managers/detokenizer_manager.py``: the ``text`` of a server that runs its tokenizer is the
-  output ids decoded with the request's ``skip_special_tokens`` and
-  ``spaces_between_special_tokens``, the matched stop token trimmed unless ``no_stop_trim``
-  (trim_matched_stop); genq decodes the same way where the server does not (worker/detokenize.py).
+- ``managers/detokenizer_manager.py``: the ``text`` of a server that runs its tokenizer is made
+  incrementally. The scheduler hands a request's ids over every SGLANG_FORCE_STREAM_INTERVAL (50,
+  ``environ.py``) output tokens and at its end (``scheduler_components/output_streamer.py``),
+  after the last 5 prompt ids (INIT_INCREMENTAL_DETOKENIZATION_OFFSET,
+  ``managers/schedule_batch.py``); each handover decodes the ids from the last commit on and keeps
+  what lies past the context's own text, committing it where it does not end in U+FFFD; the end
+  trims the matched stop token unless ``no_stop_trim`` (trim_matched_stop), and decodes with the
+  request's ``skip_special_tokens`` and ``spaces_between_special_tokens``. genq makes the text of
+  a server that skips its tokenizer the same way (:meth:`SGLang.decode`).
 - ``sampling/sampling_batch_info.py``: ``sampling_seed`` is honoured only with
   ``--enable-deterministic-inference`` (shown as ``enable_deterministic_inference`` in
   /server_info), accepted and ignored otherwise.
@@ -65,9 +70,11 @@ from genq.backends.base import (
     Http,
     ServerInfo,
     ServerRefused,
+    decode_ids,
     error_message,
     from_status,
     parse_json,
+    text_ids,
     wrong,
 )
 from genq.backends.load import Load, count, fraction, prometheus, summed
@@ -79,6 +86,11 @@ MIN_VERSION = "0.5.5"
 # The sampling keys a server without its tokenizer refuses (sampling/sampling_params.py
 # raise_if_tokenizer_required): matching a stop string, or holding EOS back, needs the tokenizer.
 NEEDS_TOKENIZER = ("stop", "stop_regex", "min_new_tokens")
+# How SGLang's detokenizer sees a request (managers/detokenizer_manager.py): after this many prompt
+# ids of context, a handover of the ids every so many output tokens (SGLANG_FORCE_STREAM_INTERVAL;
+# a server started with another value makes its text at other points, rarely another text).
+DETOKENIZER_CONTEXT_IDS = 5
+DETOKENIZER_EVERY = 50
 
 
 class SGLang(Backend):
@@ -245,6 +257,25 @@ class SGLang(Backend):
             raise classify(status, raw, headers)
         return answer(parse_json(raw))
 
+    def decode(self, tokenizer: Any, answer: Answer, spec: JobSpec) -> str:
+        """The text SGLang's detokenizer makes of the answer (see the module's docstring): a
+        character begun in the prompt and ended in the output is not the output's, and bytes that
+        end a handover unfinished wait for the next."""
+        params = spec.sampling_params
+        output = answer.output_ids or []
+        prompt = spec.input_ids or []
+        ids = prompt[max(0, len(prompt) - DETOKENIZER_CONTEXT_IDS) :] + output
+        start = len(ids) - len(output)
+        surr, read = 0, start  # the context the next handover is decoded after: ids[surr:read]
+        text = ""
+        for handed in range(DETOKENIZER_EVERY, len(output), DETOKENIZER_EVERY):
+            upto = start + handed
+            new = _past(tokenizer, ids[surr:read], ids[surr:upto], params)
+            if new and not new.endswith("\ufffd"):
+                text, surr, read = text + new, read, upto
+        last = text_ids(dataclasses.replace(answer, output_ids=ids[surr:]), params)
+        return text + _past(tokenizer, ids[surr:read], last, params)
+
     def wrong_answers_hint(self, exc: AttemptError) -> str:
         if exc.rule != "text":
             return super().wrong_answers_hint(exc)
@@ -366,6 +397,11 @@ def _retracted(value: float | None) -> int:
     once it has counted (observability/metrics_collector.py; seen on the real 0.5.23: no line for
     it on a server that has retracted nothing): a /metrics without it has retracted nothing yet."""
     return count(value) or 0
+
+
+def _past(tokenizer: Any, context: list[int], ids: list[int], params: dict[str, Any]) -> str:
+    """The text of ``ids`` past that of their first ids, ``context``: the detokenizer's new text."""
+    return decode_ids(tokenizer, ids, params)[len(decode_ids(tokenizer, context, params)) :]
 
 
 def classify(status: int, raw: bytes, headers: Any) -> AttemptError:

@@ -19,6 +19,12 @@ Facts from vLLM 0.33's source (paths under ``vllm/``):
   otherwise genq records null, never 0.
 - Abort: closing the connection aborts the request (``serve/utils/api_utils.py``
   with_cancellation); there is no abort route by default.
+- ``--skip-tokenizer-init`` (0.32, checked on the running server): ``v1/engine/detokenizer.py``
+  IncrementalDetokenizer makes no text, so ``choices[0].text`` is ``""`` (not null) beside the ids;
+  stop strings are accepted and never matched (the detokenizer matches them); text prompts and
+  ``/detokenize`` answer 400 "Tokenizer not available when `skip_tokenizer_init=True`"
+  (``renderers/base.py`` get_tokenizer): the probe asks ``/detokenize`` to tell. genq never sends
+  ``detokenize`` (``SamplingParams`` has it, ``/v1/completions`` does not take it).
 
 - Load (``--concurrency auto``): ``/metrics`` (always served; ``v1/metrics/loggers.py``) has
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (a
@@ -31,6 +37,7 @@ works through this backend too.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from genq.backends import openai_compat as oai
@@ -43,7 +50,9 @@ from genq.backends.base import (
     Cost,
     ServerInfo,
     ServerRefused,
+    decode_ids,
     parse_json,
+    text_ids,
     wrong,
 )
 from genq.backends.load import Load, count, fraction, info_labels, prometheus
@@ -58,6 +67,7 @@ class VLLM(Backend):
     name = "vllm"
     sampling_keys = oai.VLLM_SAMPLING_KEYS
     logprobs = True  # logprobs: K, ids as "token_id:N" with return_tokens_as_token_ids
+    skips_tokenizer = False  # started with --skip-tokenizer-init: its "" is no text (the probe says)
 
     async def probe(self) -> ServerInfo:
         url = self.http.base_url
@@ -85,6 +95,8 @@ class VLLM(Backend):
                 "records use --backend openai-chat"
             )
         max_len = card.get("max_model_len")
+        self.skips_tokenizer = await self._skips_tokenizer()
+        self.text_always = not self.skips_tokenizer
         self.info = ServerInfo(
             backend=self.name,
             url=url,
@@ -92,9 +104,56 @@ class VLLM(Backend):
             model=self.model,
             context_length=max_len if isinstance(max_len, int) else None,
             seeds=True,  # per-request seeds are honoured (v1/worker/gpu_model_runner.py)
+            skips_tokenizer=self.skips_tokenizer,
         )
-        self.check_probe(answer(data, PROBE_SPEC))
+        if self.skips_tokenizer:
+            self.info.notes.append(
+                "it skips its tokenizer (--skip-tokenizer-init): its answers are ids with an empty text, "
+                "which this worker decodes with the dataset's tokenizer where it has it (records without "
+                "it carry no text); it never matches stop strings, so datasets that use them stay queued "
+                "for another worker"
+            )
+        self.check_probe(self._answer(data, PROBE_SPEC))
         return self.info
+
+    async def _skips_tokenizer(self) -> bool:
+        """Its /detokenize refuses for want of a tokenizer (renderers/base.py): nothing else says so."""
+        status, raw, _ = await self.http.call(
+            "POST", "/detokenize", {"model": self.model, "tokens": PROBE_IDS}, timeout=DETOKENIZE_TIMEOUT_S
+        )
+        return status == 400 and b"skip_tokenizer_init" in raw
+
+    def _answer(self, data: Any, spec: JobSpec) -> Answer:
+        got = answer(data, spec)
+        if self.skips_tokenizer:  # its "" is the text it never made
+            got = dataclasses.replace(got, text=None, detokenized=False)
+        return got
+
+    def decode(self, tokenizer: Any, answer: Answer, spec: JobSpec) -> str:
+        """As vLLM's detokenizer makes the text (v1/engine/detokenizer.py): for a fast tokenizer,
+        tokenizers' DecodeStream primed with the prompt ids (FastIncrementalDetokenizer), one step
+        per output id, the stop token left out; it gives out text only where it ends whole, so a
+        character begun in the prompt is not the output's and bytes left unfinished at the end never
+        come. For another tokenizer (SlowIncrementalDetokenizer), one decode without those last bytes."""
+        params = spec.sampling_params
+        ids = text_ids(answer, params)
+        fast = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        if fast is not None:
+            return _streamed(fast, spec.input_ids or [], ids, params.get("skip_special_tokens", True))
+        while True:
+            text = decode_ids(tokenizer, ids, params)
+            if not text.endswith("\ufffd") or not ids:
+                return text
+            ids = ids[:-1]
+
+    def declines(self, sampling_params: dict[str, Any]) -> str | None:
+        if not self.skips_tokenizer or not sampling_params.get("stop"):
+            return None
+        return (
+            "its sampling uses stop strings, which vLLM started with --skip-tokenizer-init accepts and "
+            "never matches (its detokenizer would): its jobs stay queued for a worker whose server runs "
+            "its tokenizer"
+        )
 
     def body(self, spec: JobSpec) -> dict[str, Any]:
         prompt: list[int] | str | None = spec.input_ids if spec.input_ids is not None else spec.text
@@ -117,7 +176,7 @@ class VLLM(Backend):
         }
 
     async def generate(self, spec: JobSpec, rid: str, timeout: float) -> Answer:
-        return answer(await oai.post(self.http, "/v1/completions", self.body(spec), rid, timeout), spec)
+        return self._answer(await oai.post(self.http, "/v1/completions", self.body(spec), rid, timeout), spec)
 
     async def open_character(self, output_ids: list[int]) -> int:
         """vLLM primes a request's DecodeStream with its prompt ids, and restarts it without them
@@ -195,6 +254,25 @@ def kv_tokens(text: str) -> int | None:
             return None
         sizes.append(int(blocks) * int(size))
     return sum(sizes) or None
+
+
+def _streamed(tokenizer: Any, prompt: list[int], ids: list[int], skip_special_tokens: bool) -> str:
+    """FastIncrementalDetokenizer's text: a DecodeStream primed with the prompt, stepped per id; one
+    that breaks on a prefix that is not UTF-8 starts over without it, as vLLM's does."""
+    from tokenizers.decoders import DecodeStream  # a fast tokenizer's own library: there with it
+
+    stream = DecodeStream(ids=prompt, skip_special_tokens=skip_special_tokens)
+    out = []
+    for token_id in ids:
+        try:
+            piece = stream.step(tokenizer, token_id)
+        except Exception as exc:  # tokenizers raises a bare Exception for "Invalid prefix"
+            if not str(exc).startswith("Invalid prefix"):
+                raise
+            stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            piece = stream.step(tokenizer, token_id)
+        out.append(piece or "")
+    return "".join(out)
 
 
 def answer(data: Any, spec: JobSpec) -> Answer:
