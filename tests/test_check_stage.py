@@ -17,6 +17,7 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 import redis
+from rq import Queue
 
 from genq import progress
 from genq.keys import Keys
@@ -27,6 +28,7 @@ from tests.helpers import (
     log_of,
     read_jsonl,
     sigkill,
+    sim_get,
     sim_stats,
     status_json,
     stop,
@@ -176,11 +178,23 @@ def test_a_kill_of_any_role_at_any_time_changes_nothing_of_the_result(procs, sta
         name: procs.start(*argv, env=checker_env if name == "check" else None) for name, argv in roles.items()
     }
     total = sum(drawn for drawn, _ in expected("kills", rows, k, m).values())
+    conn = redis.Redis.from_url(procs.env["GENQ_REDIS_URL"])
+    keys = Keys(procs.env["GENQ_NAMESPACE"])
+    started = Queue(keys.queue_name("kills"), connection=conn, serializer="json").started_job_registry.key
+    caught: set[str] = set()
     for at, victim in ((0.2, "check"), (0.45, "worker"), (0.7, "collect")):
         wait_until(
             lambda at=at: verdicts_filed(procs, "kills") >= at * total, 120, f"{at:.0%} of the verdicts"
         )
+        filed = verdicts_filed(procs, "kills")
         sigkill(running[victim])
+        # Each kill lands mid-run: verdicts were still to be filed.
+        assert filed < total, f"the {victim} was killed after the run had settled"
+        if victim == "worker":
+            # What the dead worker held and had already asked the server for: generated twice.
+            held = {member.decode().split(":")[0] for member in conn.zrange(started, 0, -1)}
+            asked = {rid.split(".", 1)[0] for rid in sim_get(url, "/sim/rids")}
+            caught = held & asked
         running[victim] = procs.start(*roles[victim], env=checker_env if victim == "check" else None)
     counts = check_settled(procs, "kills", 240)
     for proc in running.values():
@@ -194,18 +208,25 @@ def test_a_kill_of_any_role_at_any_time_changes_nothing_of_the_result(procs, sta
     assert got == expected("kills", rows, k, m)
     assert counts["verdicts"] == {"accepted": len(accepted), "rejected": len(others)}
     assert_verified(procs, out, data)
-    # Two workers' start-up probes, each sample once, and what the killed worker had at the server;
-    # besides those, the kill can catch answers waiting for their group commit (LINGER_S, 25 ms, at
-    # about 40 answers a second here) and the commit on its way: a few.
+    # Each sample generated once, but those the killed worker held and had asked for (at the server,
+    # or answered and waiting for their group commit): exactly those twice.
+    rids = sim_get(url, "/sim/rids")
+    asked = Counter(rid.split(".", 1)[0] for rid in rids if not rid.startswith("genq-probe."))
+    twice = {job for job, n in asked.items() if n > 1}
+    assert twice == caught and max(asked.values()) <= 2, (sorted(twice ^ caught)[:5], asked.most_common(2))
+    assert caught, "the kill caught no generation: it landed between two"
+    # The server finished each sample once and some of the caught ones again (two workers' probes).
     wasted = sim_stats(url)["generations"] - 2 - (len(accepted) + len(others))
-    assert 0 <= wasted <= in_flight + 4, wasted
+    assert 0 <= wasted <= len(caught), wasted
 
 
 CHECK_SH = textwrap.dedent(
     """\
     #!/bin/sh
-    # A checker in another language: the record on stdin, a verdict on stdout.
+    # A checker in another language: the record on stdin, a verdict on stdout; each try's record id
+    # appended to the file named by its argument (the test counts the tries).
     record=$(cat)
+    echo "$record" | grep -o '"id": "[^"]*"' >>"$1"
     if echo "$record" | grep -q '"id": "[a-z]*-[0-9]*7"'; then sleep 600; fi
     if echo "$record" | grep -q '"id": "[a-z]*-[0-9]*5"'; then echo "no sandbox here" >&2; exit 3; fi
     if echo "$record" | grep -q '"id": "[a-z]*-[0-9]*[02468]"'; then
@@ -226,6 +247,7 @@ def test_a_command_checker_that_hangs_or_crashes_is_bounded_and_its_records_kept
     the checker's last words; none is lost, the others are judged."""
     script = tmp_path / "check.sh"
     script.write_text(CHECK_SH)
+    tries = tmp_path / "tries.log"
     rows = 60
     data = tmp_path / "docs.jsonl"
     write_prompts(data, rows)
@@ -233,7 +255,9 @@ def test_a_command_checker_that_hangs_or_crashes_is_bounded_and_its_records_kept
     assert procs.run("enqueue", data, "--max-new-tokens", "16", "--checked").returncode == 0
     roles = [
         procs.start("worker", "--server", url, "--concurrency", "16"),
-        procs.start("check", "--check-cmd", f"sh {script}", "--timeout", "1", "--max-check-attempts", "2"),
+        procs.start(
+            "check", "--check-cmd", f"sh {script} {tries}", "--timeout", "1", "--max-check-attempts", "2"
+        ),
         procs.start("collect", "--out", out),
     ]
     counts = check_settled(procs, "docs", 240)
@@ -250,6 +274,11 @@ def test_a_command_checker_that_hangs_or_crashes_is_bounded_and_its_records_kept
     assert all("no sandbox here" in r["check"]["reason"] for r in failed if r["row"] % 10 == 5)
     assert all("within 1 s" in r["check"]["reason"] for r in failed if r["row"] % 10 == 7)
     assert counts["verdicts"] == dict(Counter(status.values()))
+    # Tried --max-check-attempts (2) times where it hangs or crashes, once elsewhere; every failed
+    # try counted in status.
+    tried = Counter(orjson.loads("{" + line + "}")["id"] for line in tries.read_text().splitlines())
+    assert tried == {f"docs-{row}": 2 if row % 10 in (5, 7) else 1 for row in range(rows)}, tried
+    assert status_json(procs)["datasets"]["docs"]["check"]["checker_errors"] == 2 * len(failed)
     assert_verified(procs, out, data)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import textwrap
 
 import pytest
@@ -50,6 +51,19 @@ def test_answer_match_compares_the_last_boxed_answer_normalized():
         builtin.answer_match(record("42", answer="42"), field="solution")
 
 
+def test_json_valid_with_a_schema_names_where_the_answer_breaks_it(tmp_path):
+    """--check-option schema=FILE: the answer checked against that JSON Schema; the reason says where
+    (the path into the answer, or "the value" for the whole)."""
+    schema = tmp_path / "answer.schema.json"
+    schema.write_text('{"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}')
+    assert builtin.json_valid(record('{"a": 1}'), schema=str(schema)).accepted
+    wrong_type = builtin.json_valid(record('```json\n{"a": "one"}\n```'), schema=str(schema))
+    assert not wrong_type.accepted and wrong_type.reason.startswith("a: "), wrong_type
+    missing = builtin.json_valid(record("{}"), schema=str(schema))
+    assert not missing.accepted and missing.reason.startswith("the value: "), missing
+    assert builtin.json_valid(record("[1]"), schema=str(schema)).accepted is False
+
+
 def test_regex_json_and_length_checks():
     assert builtin.regex(record("id: 123"), must=r"\d+").accepted
     assert not builtin.regex(record("I cannot help"), must_not="cannot").accepted
@@ -79,6 +93,9 @@ CHECKS = textwrap.dedent(
 
     def wrong(record):
         raise KeyError("answer")
+
+    def whoami(record, salt="0"):
+        return {"accepted": True, "score": float(salt), "reason": str(os.getpid())}
     """
 )
 
@@ -92,17 +109,23 @@ def checks(tmp_path, monkeypatch):
 
 
 def test_a_python_checker_runs_in_processes_of_its_own_with_its_options(checks):
-    async def run() -> list[Verdict]:
-        checker = PythonChecker("user_checks:third", ["salt=7"], slots=2)
+    async def run(function: str) -> list[Verdict]:
+        checker = PythonChecker(f"user_checks:{function}", ["salt=7"], slots=2)
         try:
             return await asyncio.gather(*(checker.check({"id": f"d-{i}"}, 30) for i in range(30)))
         finally:
             await checker.close()
 
-    verdicts = asyncio.run(run())
+    verdicts = asyncio.run(run("third"))
     accepted = sum(v.accepted for v in verdicts)
     assert 0 < accepted < 30, accepted
     assert all(v.reason == "unlucky" for v in verdicts if not v.accepted)
+    # The checker says where it ran and what it was given: its --check-opt, in processes of its own
+    # (not this one), as many as the slots at most.
+    verdicts = asyncio.run(run("whoami"))
+    assert {v.score for v in verdicts} == {7.0}, "the option did not reach the checker"
+    pids = {int(v.reason) for v in verdicts}
+    assert os.getpid() not in pids and 1 <= len(pids) <= 2, pids
 
 
 def test_a_checker_that_hangs_or_crashes_fails_that_record_and_the_next_gets_a_new_process(checks):

@@ -3,11 +3,9 @@ Parquet shards of one schema that the `datasets` library loads with the ledger's
 
 from __future__ import annotations
 
-import pytest
+import datasets
 
 from tests.helpers import read_jsonl, status_json, write_prompts
-
-datasets = pytest.importorskip("datasets")
 
 
 def _load(kind: str, files: list, cache) -> object:
@@ -35,7 +33,9 @@ def test_records_and_eagle3_rows_as_parquet_shards_load_with_the_ledgers_counts(
     assert len(shards) > 1 and f"-of-{len(shards):05d}.parquet" in shards[0].name, shards
     assert f"pq: wrote {len(records)} to " in res.stdout and "shards" in res.stdout, res.stdout
     table = _load("parquet", shards, tmp_path / "hf")
-    assert table.num_rows == on_disk, "every record, truncated ones too, once"
+    assert sorted(table["id"]) == sorted(records) and table.num_rows == on_disk, (
+        "every record, truncated ones too, once"
+    )
     for row in table:
         r = records[row["id"]]
         assert (row["output_ids"], row["input_ids"], row["finish_reason"]) == (

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 
+import orjson
 import pytest
 import redis
 
@@ -22,6 +23,7 @@ from tests.helpers import (
     read_jsonl,
     server_up,
     sigkill,
+    sim_get,
     sim_stats,
     status_json,
     wait_for_records,
@@ -169,7 +171,10 @@ def test_a_kill_costs_at_most_the_piece_in_flight(procs, out, tmp_path, report):
         assert procs.run("enqueue", tmp_path / "wk.jsonl", *ENQUEUE_FLAGS).returncode == 0
         worker = procs.start("worker", "--server", url, *flags)
         collector = procs.start("collect", "--out", out)
+        conn = redis.Redis.from_url(procs.env["GENQ_REDIS_URL"])
+        pieces_key = Keys(procs.env["GENQ_NAMESPACE"]).pieces
         wait_for_records(procs, "wk", 60, 60, in_flight=True)
+        wait_until(lambda: conn.hlen(pieces_key) > 0, 60, "jobs with pieces kept at the kill")
         assert worker.poll() is None, log_of(worker)
         sigkill(worker)
         worker = procs.start("worker", "--server", url, *flags)
@@ -192,15 +197,36 @@ def test_a_kill_costs_at_most_the_piece_in_flight(procs, out, tmp_path, report):
         assert procs.run("enqueue", tmp_path / "srv.jsonl", *ENQUEUE_FLAGS).returncode == 0
         worker = procs.start("worker", "--server", url, *flags)
         collector = procs.start("collect", "--out", out)
-        conn = redis.Redis.from_url(procs.env["GENQ_REDIS_URL"])
-        pieces_key = Keys(procs.env["GENQ_NAMESPACE"]).pieces
         wait_until(lambda: conn.hlen(pieces_key) >= 20, 120, "20 jobs with pieces kept")
         sigkill(sim)
-        kept_at_kill = conn.hlen(pieces_key)
+        # Once the worker has seen the server go, no piece can end: the checkpoints are those of the kill.
+        wait_until(lambda: "looks down" in log_of(worker), 60, "the worker to see the server go")
+        checkpoints = {
+            job.decode(): len(orjson.loads(raw)["output_ids"])
+            for job, raw in conn.hgetall(pieces_key).items()
+        }
         sim = start()
         finish_run(procs, "srv", len(prompts), 120, worker, collector)
-        check_pieced(read_jsonl(out / "srv" / "raw_responses.jsonl"), prompts)
+        records = {r["id"]: r for r in read_jsonl(out / "srv" / "raw_responses.jsonl")}
+        check_pieced(list(records.values()), prompts)
         assert "starting the output over" not in log_of(worker)
-        report(f"pieces: the server SIGKILLed with {kept_at_kill} jobs holding pieces in Redis; all resumed")
+        # The new server made only what the checkpoints did not hold: each job it served, its output
+        # past the checkpoint (all of it for a job without one), and a token for each probe.
+        keys = Keys(procs.env["GENQ_NAMESPACE"])
+        rids = sim_get(url, "/sim/rids")
+        served = {rid.split(".", 1)[0] for rid in rids if not rid.startswith("genq-probe.")}
+        probes = len(rids) - sum(1 for rid in rids if not rid.startswith("genq-probe."))
+        owed = sum(
+            records[keys.record_id(job)]["completion_tokens"] - checkpoints.get(job, 0) for job in served
+        )
+        generated = sim_stats(url)["tokens_generated"]
+        resumed = len(served & set(checkpoints))
+        report(
+            f"pieces: the server SIGKILLed with {len(checkpoints)} jobs holding pieces in Redis: the new "
+            f"server generated {generated} tokens, {owed} past the checkpoints, {probes} for probes; "
+            f"{resumed} jobs resumed from their checkpoints"
+        )
+        assert checkpoints and set(checkpoints) <= served, "a job with pieces kept did not go on"
+        assert generated == owed + probes, "the new server generated again what the checkpoints held"
     finally:
         sim.kill()

@@ -4,8 +4,8 @@ collector beside the records and rewritten after any restart."""
 
 from __future__ import annotations
 
+import huggingface_hub
 import orjson
-import pytest
 
 from genq import __version__
 from tests.helpers import log_of, read_jsonl, status_json, write_prompts
@@ -71,7 +71,6 @@ def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums
     }
 
     # The dataset card of the exports: YAML the Hub's DatasetCard reads, then the provenance.
-    huggingface_hub = pytest.importorskip("huggingface_hub")
     res = procs.run("export", out, "--format", "eagle3", "--include-truncated", "--license", "apache-2.0")
     assert res.returncode == 0 and "its dataset card:" in res.stdout, res.stderr
     assert procs.run("export", out, "--format", "parquet", "--license", "apache-2.0").returncode == 0

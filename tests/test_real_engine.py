@@ -17,7 +17,7 @@ from genq.backends import Http
 from genq.backends.llamacpp import LlamaCpp
 from genq.backends.load import Load
 from genq.schema import JobSpec
-from tests.engines import PIECED_FLAGS, UPTO, check_pieced_outputs, post
+from tests.engines import PIECED_FLAGS, UPTO, check_pieced_outputs, llamacpp_top2, post
 from tests.helpers import (
     finish_run,
     log_of,
@@ -255,7 +255,8 @@ def test_outputs_in_pieces_equal_one_request(procs, llama, out, tmp_path, report
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
     records = sorted(read_jsonl(out / "pieced" / "raw_responses.jsonl"), key=lambda r: r["row"])
     texts = direct(llama.url, prompts, UPTO, "content")
-    check_pieced_outputs(records, direct(llama.url, prompts, UPTO), "llama.cpp", report, texts)
+    one_shot = direct(llama.url, prompts, UPTO)
+    check_pieced_outputs(records, prompts, one_shot, "llama.cpp", report, texts, llamacpp_top2(llama.url))
 
 
 def test_load_reads_llama_servers_slots(llama):

@@ -33,6 +33,7 @@ from tests.engines import (
     post,
     sglang_direct,
     sglang_server,
+    sglang_top2,
 )
 from tests.helpers import (
     assert_verified,
@@ -157,15 +158,38 @@ def test_records_equal_direct_greedy_generate_and_nothing_is_generated_twice(
 
 def test_outputs_in_pieces_equal_one_request(procs, sglang, out, tmp_path, report):
     """--continue-to on /generate: prompt + output so far as input_ids, against one request for
-    UPTO tokens asked directly."""
+    UPTO tokens asked directly; with --logprobs, the pieces' log-probabilities joined into one frame
+    per record are the one request's."""
     prompts = hf_prompts(60, seed=21)
     data = write_ids(tmp_path / "pieced.jsonl", prompts)
-    assert procs.run("enqueue", data, *PIECED_FLAGS, "--server", sglang.url).returncode == 0
+    k = 2
+    res = procs.run("enqueue", data, *PIECED_FLAGS, "--logprobs", str(k), "--server", sglang.url)
+    assert res.returncode == 0, res.stderr
     run_burst(procs, out, sglang.url, ("--concurrency", "16"))
     records = sorted(read_jsonl(out / "pieced" / "raw_responses.jsonl"), key=lambda r: r["row"])
-    one_shot = sglang_direct(sglang.url, prompts, {"max_new_tokens": UPTO, "temperature": 0.0})
+    one_shot = sglang_direct(
+        sglang.url,
+        prompts,
+        {"max_new_tokens": UPTO, "temperature": 0.0},
+        return_logprob=True,
+        top_logprobs_num=k,
+    )
     texts = [a["text"] for a in one_shot]
-    check_pieced_outputs(records, [a["output_ids"] for a in one_shot], "SGLang", report, texts)
+    ids = [a["output_ids"] for a in one_shot]
+    check_pieced_outputs(records, prompts, ids, "SGLang", report, texts, sglang_top2(sglang.url))
+    got = {record_id: lp for _, _, record_id, lp in frames(out / "pieced" / FILE)}
+    assert set(got) == {r["id"] for r in records}, "a frame per record"
+    joined = 0
+    for r, want in zip(records, one_shot, strict=True):
+        lp, meta = got[r["id"]], want["meta_info"]
+        assert len(lp.token) == len(r["output_ids"]) == r["logprobs"]["tokens"], r["id"]
+        if r["output_ids"] != want["output_ids"] or r["pieces"] < 2:
+            continue
+        joined += 1
+        # Prefill (a piece's start) and decode differ in the last bits; float16 for the top-K values.
+        assert lp.token == pytest.approx([t[0] for t in meta["output_token_logprobs"]], abs=1e-3), r["id"]
+        assert [row[0] for row in lp.top_ids] == [row[0][1] for row in meta["output_top_logprobs"]], r["id"]
+    assert joined >= 0.9 * len(records), f"only {joined} records in pieces equal to one request"
 
 
 @pytest.mark.timeout(600)
@@ -409,6 +433,13 @@ def test_the_regex_checker_keeps_what_the_real_model_writes_to_a_pattern(
     won = Counter(r["row"] for r in accepted)
     assert all(won[row] <= 1 and (won[row] == 1 or drawn[row] == 3) for row in range(len(prompts)))
     assert all(r["sample"] < drawn[r["row"]] for r in accepted + rejected), "samples drawn in order"
+    # Drawn again only while none was accepted: a prompt's accepted sample is its last drawn, and
+    # its samples are 0..n-1, each once.
+    for row in range(len(prompts)):
+        samples = sorted(r["sample"] for r in accepted + rejected if r["row"] == row)
+        assert samples == list(range(drawn[row])), (row, samples)
+    assert all(r["sample"] == drawn[r["row"]] - 1 for r in accepted), "a sample drawn after an accepted one"
+    assert accepted and rejected, "the pattern decided nothing: all samples accepted, or none"
     assert counts["verdicts"] == {
         k: v for k, v in (("accepted", len(accepted)), ("rejected", len(rejected))) if v
     }

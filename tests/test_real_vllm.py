@@ -24,6 +24,7 @@ from tests.engines import (
     metric,
     post,
     vllm_server,
+    vllm_top2,
 )
 from tests.helpers import (
     assert_verified,
@@ -150,7 +151,8 @@ def test_outputs_in_pieces_equal_one_request(procs, vllm, out, tmp_path, report)
     records = sorted(read_jsonl(out / "pieced" / "raw_responses.jsonl"), key=lambda r: r["row"])
     one_shot = completions(vllm.url, prompts, max_tokens=UPTO)
     texts = [c["text"] for c in one_shot]
-    check_pieced_outputs(records, [c["token_ids"] for c in one_shot], "vLLM", report, texts)
+    top2 = vllm_top2(vllm.url, model_id(vllm.url))
+    check_pieced_outputs(records, prompts, [c["token_ids"] for c in one_shot], "vLLM", report, texts, top2)
 
 
 def test_text_prompts_come_back_with_the_servers_prompt_ids(procs, vllm, out, tmp_path):

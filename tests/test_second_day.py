@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from genq.commands.embedded import EmbeddedRedis
-from tests.helpers import check_records, wait_until, write_prompts, written_lines
+from tests.helpers import check_records, sim_get, wait_until, write_prompts, written_lines
 
 # The console script, as a user types `genq`: not `python -m genq`, which puts the current folder
 # first on sys.path itself.
@@ -23,10 +23,18 @@ PARAMS = {"max_new_tokens": 300}
 
 
 def _run(
-    data: Path, out: Path, *extra: str, cwd: Path | None = None, env: dict | None = None, **popen
+    data: Path,
+    out: Path,
+    *extra: str,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    server: str | None = None,
+    **popen,
 ) -> subprocess.Popen:
-    """`genq run --simulate` on its private Redis (an exported GENQ_REDIS_URL left out)."""
-    argv = [GENQ, "run", str(data), "--out", str(out), "--simulate", "--max-new-tokens", "300", *extra]
+    """`genq run --simulate` (or on ``server``) on its private Redis (an exported GENQ_REDIS_URL
+    left out)."""
+    where = ["--server", server] if server else ["--simulate"]
+    argv = [GENQ, "run", str(data), "--out", str(out), *where, "--max-new-tokens", "300", *extra]
     env = {**{k: v for k, v in os.environ.items() if k != "GENQ_REDIS_URL"}, **(env or {})}
     return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
 
@@ -77,7 +85,9 @@ def test_two_runs_at_once_never_stop_each_others_processes(tmp_path):
     data = tmp_path / "twice.jsonl"
     prompts = write_prompts(data, 80)
     first, copy = tmp_path / "a", tmp_path / "b"
-    a = _run(data, first, "--workers", "1", "--concurrency", "8")
+    # The first run's server is slowed (25 ms a decode step: ~70 s for the whole run) so the copy's run
+    # starts, and ends, while it still runs: the test asserts they overlapped.
+    a = _run(data, first, "--workers", "1", "--concurrency", "8", env={"GENQ_SIM_DECODE_STEP_MS": "25"})
     try:
         raw = first / "twice" / "raw_responses.jsonl"
         wait_until(lambda: len(written_lines(raw)) >= 10, 120, "the first run's progress")
@@ -96,11 +106,16 @@ def test_two_runs_at_once_never_stop_each_others_processes(tmp_path):
         (line,) = [x for x in again.stderr.splitlines() if x.strip()]
         assert f"another genq run (pid {a.pid}) is writing this folder" in line, line
 
-        b = _run(data, copy, "--workers", "1", "--concurrency", "32")
+        b = _run(data, copy, "--workers", "1", "--concurrency", "32", "--sim-latency", "zero")
         wait_until(lambda: EmbeddedRedis(copy / ".redis").running_pid(), 60, "the copy's own Redis")
-        assert a.poll() is not None or EmbeddedRedis(first / ".redis").running_pid() == redis_a
+        assert a.poll() is None, "the first run ended before the copy's started: they did not overlap"
+        assert EmbeddedRedis(first / ".redis").running_pid() == redis_a, "the copy stopped the first's Redis"
         _, stderr_b = _finish(b, 240)
         assert b.returncode == 0, stderr_b[-3000:]
+        assert a.poll() is None, "the first run ended before the copy's: they did not overlap throughout"
+        assert EmbeddedRedis(first / ".redis").running_pid() == redis_a, (
+            "the copy's end stopped the first's Redis"
+        )
         _, stderr_a = _finish(a, 240)
     finally:
         a.kill()
@@ -183,33 +198,45 @@ def test_commands_on_a_run_folder_look_at_its_own_redis_and_namespace(tmp_path, 
 
 
 @pytest.mark.timeout(300)
-def test_a_deleted_output_file_is_made_again_after_verify_repair(tmp_path):
-    """raw_responses.jsonl removed by hand: run's summary counts what is on disk (none) and the
-    audit says how to get them back; `verify --repair` reopens exactly those jobs, and the same run
-    command makes them again, each once."""
+def test_a_cut_output_file_is_made_whole_again_after_verify_repair(tmp_path, start_sim):
+    """raw_responses.jsonl cut by hand to 25 of its 40 lines: run's summary counts what is on disk
+    (25) and the audit says how to get the rest back; `verify --repair` reopens exactly the 15
+    missing jobs, and the same run command makes those again, each once: the server generates only
+    them (its request ids counted), and each id is on disk once."""
+    url = start_sim()
     data = tmp_path / "gone.jsonl"
     prompts = write_prompts(data, 40)
     out = tmp_path / "out"
-    first = _run(data, out, "--sim-latency", "zero")
+    first = _run(data, out, server=url)
     _, stderr = _finish(first)
     assert first.returncode == 0, stderr[-3000:]
-    (out / "gone" / "raw_responses.jsonl").unlink()
+    raw = out / "gone" / "raw_responses.jsonl"
+    lines = raw.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 40
+    raw.write_bytes(b"".join(lines[:25]))
+    missing = sorted(set(range(40)) - {orjson.loads(line)["row"] for line in lines[:25]})
+    assert len(missing) == 15
 
-    again = _run(data, out, "--sim-latency", "zero")
+    again = _run(data, out, server=url)
     stdout, stderr = _finish(again)
     assert again.returncode == 1, stdout + stderr[-3000:]
-    assert "gone: 0 done, 0 failed of 40" in stdout, stdout
-    assert "gone: MISSING 40" in stderr and "--repair" in stderr, stderr[-3000:]
+    assert "gone: 25 done, 0 failed of 40" in stdout, stdout
+    assert "gone: MISSING 15" in stderr and "--repair" in stderr, stderr[-3000:]
 
     env = {k: v for k, v in os.environ.items() if k != "GENQ_REDIS_URL"}
     repaired = subprocess.run(
         [GENQ, "verify", "--out", str(out), str(data), "--repair"], capture_output=True, text=True, env=env
     )
     assert repaired.returncode == 0, repaired.stdout + repaired.stderr
-    assert "gone: reopened 40 missing jobs" in repaired.stderr, repaired.stderr
+    assert "gone: reopened 15 missing jobs" in repaired.stderr, repaired.stderr
 
-    last = _run(data, out, "--sim-latency", "zero")
+    before = len(sim_get(url, "/sim/rids"))
+    last = _run(data, out, server=url)
     stdout, stderr = _finish(last)
     assert last.returncode == 0, stderr[-3000:]
     assert "gone: 40 done, 0 failed of 40" in stdout, stdout
     check_records(out, "gone", prompts, PARAMS)
+    # Generated again: exactly the missing rows, once each (probes aside).
+    rids = [rid for rid in sim_get(url, "/sim/rids")[before:] if not rid.startswith("genq-probe.")]
+    rows = sorted(int(rid.split(".", 1)[0].rsplit("-", 1)[1]) for rid in rids)
+    assert rows == missing, f"generated again: {rows}, missing were {missing}"

@@ -17,7 +17,7 @@ from rq import Queue
 
 from genq.keys import Keys
 from genq.templates import ChatTemplate, RemoteCodeRefused
-from tests.helpers import genq_argv, log_of, read_jsonl, write_jsonl
+from tests.helpers import genq_argv, log_of, read_jsonl, status_json, write_jsonl
 from tests.tokenizer_layouts import LAYOUTS, build
 
 TOOLS = [
@@ -131,6 +131,18 @@ def test_prompt_ids_and_eagle3_masks_are_the_templates_for_every_layout(layouts,
         len(ids) == len(mask)
         and ids == tok.apply_chat_template(answered, tools=TOOLS, thinking=True)["input_ids"]
     )
+    # The whole mask, derived here from the tokenizer's own renders of successive prefixes: each
+    # assistant turn is what its render adds to the prompt before it (generation prompt included).
+    want = [0] * len(ids)
+    for i, message in enumerate(answered):
+        if message["role"] != "assistant":
+            continue
+        before = tok.apply_chat_template(answered[:i], tools=TOOLS, thinking=True, add_generation_prompt=True)
+        through = tok.apply_chat_template(answered[: i + 1], tools=TOOLS, thinking=True)["input_ids"]
+        start = len(before["input_ids"])
+        assert ids[: len(through)] == list(through), (layout, i)
+        want[start : len(through)] = [1] * (len(through) - start)
+    assert mask == want, (layout, [j for j, (a, b) in enumerate(zip(mask, want, strict=True)) if a != b])
     learned = [i for i, m in zip(ids, mask, strict=True) if m]
     text = tok.decode(learned)
     for piece in ("get_weather", "Paris", "I read it.", "</think>", "Sunny.", "<|im_end|>"):
@@ -174,7 +186,7 @@ def test_a_tokenizer_that_is_code_runs_only_with_this_hosts_consent(layouts, pro
     lines = [line for line in text.splitlines() if line.strip()]
     assert len(lines) == 1, lines
     assert "tokenization_kimi.py" in lines[0] and "--trust-remote-code" in lines[0], lines[0]
-    assert not procs.run("status", "--json").stdout.count('"kimi"'), "nothing enqueued"
+    assert "kimi" not in status_json(procs)["datasets"], "nothing enqueued"
     with pytest.raises(RemoteCodeRefused):
         ChatTemplate(str(folder))
     # With the flag (or GENQ_TRUST_REMOTE_CODE), the same command enqueues.

@@ -7,7 +7,6 @@ import http.client
 import http.server
 import re
 import threading
-import time
 import urllib.parse
 from pathlib import Path
 
@@ -204,7 +203,10 @@ def test_a_genq_key_of_the_wrong_type_pauses_every_role_and_wastes_nothing(
     # Jobs in flight at the break finish and wait to commit; then none starts.
     wait_until(lambda: sim_stats(sim)["in_flight"] == 0, 30, "the jobs in flight to finish")
     paused = sim_stats(sim)["generations"]
-    time.sleep(3)
+    # Redis counts each command it refused for the key's type: the roles' retries (0.5 s doubling)
+    # while no job may start. Six more refusals span a few seconds of a worker free to take jobs.
+    refused = _wrongtype(conn)
+    wait_until(lambda: _wrongtype(conn) >= refused + 6, 60, "six more commands refused for the key's type")
     assert sim_stats(sim)["generations"] == paused, "the worker started jobs it could not commit"
     assert worker.poll() is None and collector.poll() is None, "a role exited"
     assert sum("WRONGTYPE" in line for line in log_of(worker).splitlines()) == 1, "said once, not per retry"
@@ -216,6 +218,11 @@ def test_a_genq_key_of_the_wrong_type_pauses_every_role_and_wastes_nothing(
     check_records(out, "good", prompts, PARAMS)
     # The prompts and the worker's 1-token probe: nothing was generated twice.
     assert sim_stats(sim)["generations"] == len(prompts) + 1
+
+
+def _wrongtype(conn) -> int:
+    """Commands Redis refused with WRONGTYPE so far (INFO errorstats)."""
+    return int(conn.info("errorstats").get("errorstat_WRONGTYPE", {}).get("count", 0))
 
 
 class _Corrupting:

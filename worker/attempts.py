@@ -94,6 +94,10 @@ class Attempts:
         self._probation = Probation()
         self._suspects: dict[str, Tries] = {}  # job id -> its tries, for jobs on probation
         self._aborts: set[asyncio.Task] = set()
+        # Sends given up on whose abort could not reach the server (a partition): the server may
+        # still be generating them, so they are told again when the gate reopens.
+        self._untold: set[str] = set()
+        gate.on_up.append(self._tell_again)
         self.send_s: float | None = None  # how long a send takes lately (None before the first answer)
 
     @property
@@ -172,9 +176,7 @@ class Attempts:
             if exc.kind == "timeout":
                 # In the background: an unreachable server would hold the job (and the gate's
                 # verdict) for the abort's own timeout.
-                abort = asyncio.create_task(self.gate.backend.abort(rid))
-                self._aborts.add(abort)
-                abort.add_done_callback(self._aborts.discard)
+                self._abort(rid)
             ending = await self._judge(t, tries, exc, attempt, served, life, sent)
             if ending is not None:
                 await self.fail(t, *ending, turn)
@@ -208,6 +210,23 @@ class Attempts:
         self.gate.served_one(sent)
         tries.attempt = attempt
         return answer
+
+    def _abort(self, rid: str) -> None:
+        abort = asyncio.create_task(self._tell(rid))
+        self._aborts.add(abort)
+        abort.add_done_callback(self._aborts.discard)
+
+    async def _tell(self, rid: str) -> None:
+        if await self.gate.backend.abort(rid):
+            self._untold.discard(rid)
+        else:
+            self._untold.add(rid)
+
+    def _tell_again(self) -> None:
+        """The server is back: the aborts it never got are sent now (after a partition its half-open
+        connections would keep it generating what nobody will read)."""
+        for rid in list(self._untold):
+            self._abort(rid)
 
     async def _judge(
         self, t: Taken, tries: Tries, exc: AttemptError, attempt: int, served: int, life: int, sent: float

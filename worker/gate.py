@@ -66,6 +66,7 @@ class ServerGate:
         self._wrong_since = 0.0  # when the first send of the run of wrong answers was made
         self._wrong_holds = 0  # holds for wrong answers since the last right answer
         self._held_for: dict[int, str] = {}  # life -> the rule its answers were held for at its end
+        self.on_up: list[Callable[[], None]] = []  # told each time the gate reopens
 
     async def know_server(self, stopping: asyncio.Event) -> ServerInfo | None:
         """Probe the server before taking any job (decision 13); wait while it is not up yet.
@@ -208,6 +209,8 @@ class ServerGate:
         self.held = None
         self._wrong_rule, self._wrong_jobs = None, set()  # a new life's answers are counted anew
         self._up.set()
+        for told in self.on_up:
+            told()
 
     async def _probes_again(self, said: set[str]) -> bool:
         """The server's facts read again and its probe's generation checked, as at start: a server

@@ -382,9 +382,11 @@ class Backend(ABC):
         queued for another worker), or None. Most engines take every key genq maps for them."""
         return None
 
-    async def abort(self, rid: str) -> None:  # noqa: B027 - most engines need nothing more
-        """Stop the server's work on ``rid`` after giving up on it. Default: nothing beyond closing
-        the connection, which the timeout already did (vLLM and llama.cpp abort on that)."""
+    async def abort(self, rid: str) -> bool:
+        """Stop the server's work on ``rid`` after giving up on it; False when the server could not
+        be told (unreachable: the worker tells it again once it is back). Default: nothing beyond
+        closing the connection, which the timeout already did (vLLM and llama.cpp abort on that)."""
+        return True
 
     async def open_character(self, output_ids: list[int]) -> int:
         """How many of the last ``output_ids`` are the bytes of a character not yet whole, on an

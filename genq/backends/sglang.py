@@ -322,17 +322,22 @@ class SGLang(Backend):
             return batch or counted
         return dataclasses.replace(batch, source="/v1/loads+/metrics", preempted=counted.preempted)
 
-    async def abort(self, rid: str) -> None:
+    async def abort(self, rid: str) -> bool:
         """``POST /abort_request``: the GPU stops working on a request genq gave up on. Behind the
         router, to every replica genq can reach (the router has no such route)."""
         if not self.router:
-            await self._abort_at(rid, None)
-        elif self.reached:
-            await asyncio.gather(*(self._abort_at(rid, replica) for replica in self.replicas))
+            return await self._abort_at(rid, None)
+        if not self.reached:
+            return True  # nobody genq can tell: closing the connection is all there is
+        return all(await asyncio.gather(*(self._abort_at(rid, replica) for replica in self.replicas)))
 
-    async def _abort_at(self, rid: str, at: str | None) -> None:
-        with contextlib.suppress(AttemptError):  # best effort: a server that is gone is not working
+    async def _abort_at(self, rid: str, at: str | None) -> bool:
+        """Told (any answer: an unknown rid is no error), or False: the server was out of reach."""
+        try:
             await self.http.call("POST", "/abort_request", {"rid": rid}, timeout=10, at=at)
+        except AttemptError:
+            return False
+        return True
 
     async def healthy(self) -> bool:
         """Behind the router, whose own /health answers 200 whatever its replicas do: any replica
