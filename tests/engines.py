@@ -273,6 +273,9 @@ def check_pieced_outputs(
     (docs/datasets.md)."""
     records = sorted(records, key=lambda r: r["row"])
     assert [r["row"] for r in records] == list(range(len(one_shot))), "each row exactly once"
+    # The engine's top two after the first prompt: its best is the one-shot output's first id.
+    (best, p1), (_, p2) = top2(prompts[0])
+    assert best == one_shot[0][0] and p1 >= p2, (engine, best, one_shot[0][:1], p1, p2)
     differ, wrong_text = [], []
     for i, (r, want) in enumerate(zip(records, one_shot, strict=True)):
         got = r["output_ids"]

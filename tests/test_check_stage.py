@@ -152,15 +152,14 @@ def verdicts_filed(procs, dataset: str) -> int:
     return sum(progress.check_counts(conn, Keys(procs.env["GENQ_NAMESPACE"]), dataset).values())
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(420)  # in `make test-quick` too: the check stage's kill test
 def test_a_kill_of_any_role_at_any_time_changes_nothing_of_the_result(procs, start_sim, out, tmp_path):
     """The checker, a worker and the collector are each SIGKILLed mid-run and started again: every
     prompt ends exactly as without the kills, no sample is filed twice, the counts in Redis are the
     files', and the server generated no more than the killed worker had in flight."""
     (tmp_path / "user_checks.py").write_text(CHECKS)
     checker_env = {"PYTHONPATH": str(tmp_path)}
-    rows, k, m = 300, 2, 6
+    rows, k, m = 150, 2, 6
     data = tmp_path / "kills.jsonl"
     write_prompts(data, rows)
     url = start_sim("--latency", "realistic", "--decode-step-ms", "10", "--min-len", "16", "--max-len", "64")

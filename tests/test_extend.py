@@ -143,14 +143,13 @@ def test_retry_truncated_is_refused_in_one_line_without_what_it_needs(procs, tmp
     assert "Traceback" not in res.stderr
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.slow
+@pytest.mark.timeout(600)  # in `make test-quick` too: the extension's kill test
 def test_extending_survives_kills_of_the_worker_and_the_collector(procs, start_sim, out, tmp_path, report):
-    """300 records cut at 16 tokens continued to 96 on a batching simulator; the worker and the
+    """150 records cut at 16 tokens continued to 96 on a batching simulator; the worker and the
     collector SIGKILLed mid-way and started again: every id still has exactly one record after
     export, each the one-shot output, verify is clean, and the server generated at most a piece per
     job in flight more than the tokens added."""
-    url, prompts = _setup(procs, start_sim, tmp_path, out, "kx", 300, "--latency", "realistic")
+    url, prompts = _setup(procs, start_sim, tmp_path, out, "kx", 150, "--latency", "realistic")
     before = read_jsonl(out / "kx" / "raw_responses.jsonl")
     generated = sim_stats(url)["tokens_generated"]
     res = procs.run("retry", "--truncated", "--continue-to", str(UPTO), "--records", out)

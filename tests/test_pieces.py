@@ -144,10 +144,9 @@ def test_text_rows_cannot_continue_and_are_rejected_naming_the_row(procs, tmp_pa
     assert status_json(procs)["datasets"]["text"]["total"] == 1
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.slow
+@pytest.mark.timeout(600)  # in `make test-quick` too: the pieces' kill test
 def test_a_kill_costs_at_most_the_piece_in_flight(procs, out, tmp_path, report):
-    """300 prompts in pieces of 16 up to 256 on a batching simulator. A worker SIGKILLed mid-run:
+    """150 prompts in pieces of 16 up to 256 on a batching simulator. A worker SIGKILLed mid-run:
     its replacement resumes every job from its last piece, and the server generated at most one
     piece per job in flight more than the records hold. Then the server SIGKILLed mid-run and
     restarted: the jobs resume from their checkpoints in Redis, and every output is still exactly
@@ -167,7 +166,7 @@ def test_a_kill_costs_at_most_the_piece_in_flight(procs, out, tmp_path, report):
     flags = ("--concurrency", str(concurrency), "--heartbeat-ttl", "5")
     sim = start()
     try:
-        prompts = write_prompts(tmp_path / "wk.jsonl", 300)
+        prompts = write_prompts(tmp_path / "wk.jsonl", 150)
         assert procs.run("enqueue", tmp_path / "wk.jsonl", *ENQUEUE_FLAGS).returncode == 0
         worker = procs.start("worker", "--server", url, *flags)
         collector = procs.start("collect", "--out", out)
@@ -193,7 +192,7 @@ def test_a_kill_costs_at_most_the_piece_in_flight(procs, out, tmp_path, report):
         )
         assert 0 <= wasted <= bound, wasted
 
-        prompts = write_prompts(tmp_path / "srv.jsonl", 150)
+        prompts = write_prompts(tmp_path / "srv.jsonl", 100)
         assert procs.run("enqueue", tmp_path / "srv.jsonl", *ENQUEUE_FLAGS).returncode == 0
         worker = procs.start("worker", "--server", url, *flags)
         collector = procs.start("collect", "--out", out)

@@ -76,16 +76,15 @@ def test_run_from_a_folder_holding_a_genq_folder(tmp_path):
     assert str(tmp_path / "bad" / ".logs" / "sim.log") in errors[0], errors
 
 
-@pytest.mark.timeout(420)
-@pytest.mark.slow
+@pytest.mark.timeout(420)  # in `make test-quick` too: the second day's kill test
 def test_two_runs_at_once_never_stop_each_others_processes(tmp_path):
     """A folder copied from a live run (its records of pids included) is run while the original
     still runs: the copy must not stop the original's Redis, and both finish exactly once. A second
     run on the very folder of a live one is refused in one line, and the first goes on."""
     data = tmp_path / "twice.jsonl"
-    prompts = write_prompts(data, 80)
+    prompts = write_prompts(data, 40)
     first, copy = tmp_path / "a", tmp_path / "b"
-    # The first run's server is slowed (25 ms a decode step: ~70 s for the whole run) so the copy's run
+    # The first run's server is slowed (25 ms a decode step: ~35 s for the whole run) so the copy's run
     # starts, and ends, while it still runs: the test asserts they overlapped.
     a = _run(data, first, "--workers", "1", "--concurrency", "8", env={"GENQ_SIM_DECODE_STEP_MS": "25"})
     try:
