@@ -9,6 +9,7 @@ import orjson
 
 from genq import __version__
 from tests.helpers import log_of, read_jsonl, status_json, write_prompts
+from tests.hub import Hub
 
 
 def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums(
@@ -102,3 +103,32 @@ def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums
     assert any(line.startswith("records-00000-of-") for line in lines)
     assert "raw_responses" not in res.stdout and "hf_not_a_real_token" not in res.stdout + res.stderr
     assert lines[-1] == f"dry run: {len(lines) - 1} files for someone/prov-data, nothing uploaded"
+
+    # The same push for real, to a stand-in of the Hub's API driven by the real huggingface_hub
+    # client (tests/hub.py): one commit holding exactly the planned files, byte for byte, with the
+    # token as the client's Bearer and nowhere in genq's words; pushed again, nothing is sent again;
+    # a Hub that refuses is said in one line.
+    planned = [line.split(":", 1)[0] for line in lines[:-1]]
+    with Hub() as hub:
+        env = {"HF_TOKEN": "hf_not_a_real_token_123", "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"}
+        res = procs.run("push", "someone/prov-data", "--out", out, env=env)
+        assert res.returncode == 0, res.stderr
+        repo = hub.repos["someone/prov-data"]
+        assert repo.commits == [planned], repo.commits
+        assert {name: (out / "prov" / name).read_bytes() for name in planned} == repo.files
+        assert (
+            res.stdout.splitlines()[-1]
+            == f"pushed {len(planned)} files to {hub.url}/datasets/someone/prov-data/commit/{repo.sha}"
+        )
+        # Every write carried the token (the client also GETs a public list of its own, unauthenticated).
+        writes = {auth for method, _, auth in hub.requests if method == "POST"}
+        assert writes == {"Bearer hf_not_a_real_token_123"}, hub.requests
+        assert "hf_not_a_real_token" not in res.stdout + res.stderr
+        again = procs.run("push", "someone/prov-data", "--out", out, env=env)
+        assert again.returncode == 0 and repo.commits == [planned], (again.stderr, repo.commits)
+        hub.refuse_commits = True
+        (out / "prov" / "tokenized_data.jsonl").write_bytes(b"")  # something to send
+        refused = procs.run("push", "someone/prov-data", "--out", out, env=env)
+        assert refused.returncode == 1, refused.stderr
+        (said,) = [line for line in refused.stderr.splitlines() if line.strip()]
+        assert said.startswith("Error: the Hub refused the push of someone/prov-data:"), said

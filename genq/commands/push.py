@@ -75,6 +75,7 @@ def push_command(repo_id: str, folder: Path, dataset: str | None, private: bool,
             repo_type="dataset",
             commit_message=f"genq {dataset or names[0]}: {len(operations)} files",
         )
-    except (HfHubHTTPError, OSError) as exc:
-        raise click.ClickException(f"the Hub refused the push of {repo_id}: {exc}") from exc
+    except (HfHubHTTPError, OSError, ValueError) as exc:  # ValueError: the Hub found the card's YAML invalid
+        why = " ".join(str(exc).split())  # the client's messages run over several lines
+        raise click.ClickException(f"the Hub refused the push of {repo_id}: {why}") from exc
     click.echo(f"pushed {len(operations)} files to {commit.commit_url}")
