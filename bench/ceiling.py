@@ -260,7 +260,7 @@ def run_genq(cluster: Cluster, data: Path, n: int, args: argparse.Namespace, wor
 def measure_enqueue(cluster: Cluster, n: int) -> dict:
     """Enqueue rate in process, and the Redis bytes a queued job costs beyond its prompt ids: with
     genq's Redis settings (docs/cluster.md), then again with Redis's default hash encoding."""
-    from producer.enqueue import Options, enqueue_dataset
+    from genq.producer.enqueue import Options, enqueue_dataset
 
     data = cluster.work / "enqueue.jsonl"
     ids_bytes = sum(len(orjson.dumps(ids)) for ids in write_prompts(data, n))

@@ -2,7 +2,7 @@
 takes the record (a dict: ``content`` is the answer without its reasoning, ``text`` all of it,
 ``fields`` the row's own fields kept by ``enqueue --keep-field``) and options, and returns a
 :class:`~checker.verdict.Verdict` (or a bool, a number, a mapping). Named on the command line as
-``--check checker.builtin:answer_match --check-option field=answer``; options arrive as strings.
+``--check genq.checker.builtin:answer_match --check-option field=answer``; options arrive as strings.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 import unicodedata
 from typing import Any
 
-from checker.verdict import CheckerError, Verdict
+from genq.checker.verdict import CheckerError, Verdict
 
 
 def answer_of(record: dict[str, Any]) -> str:

@@ -9,8 +9,8 @@ import sys
 import click
 import redis
 
-from checker.loop import CheckConfig, CheckLoop
-from checker.runner import Checker, CheckerError, CommandChecker, PythonChecker
+from genq.checker.loop import CheckConfig, CheckLoop
+from genq.checker.runner import Checker, CheckerError, CommandChecker, PythonChecker
 from genq.connection import connect, wait_for_redis
 from genq.keys import Keys
 from genq.logs import logging_options, setup_logging
@@ -28,7 +28,7 @@ log = logging.getLogger("genq.check")
     metavar="MODULE:FUNCTION",
     help="The checker: a Python function on this host's path that takes a record (a dict) and "
     "returns a verdict: true/false, a reward (accepted above 0), or {accepted, score, reason}. "
-    "Built in: checker.builtin:answer_match, :regex, :json_valid, :length. Running it is this "
+    "Built in: genq.checker.builtin:answer_match, :regex, :json_valid, :length. Running it is this "
     "host's consent, never Redis's.",
 )
 @option(

@@ -30,65 +30,71 @@ from genq.keys import Keys
 from genq.queues import rq_queue
 from genq.schema import JobSpec, bit_index, dumps, record_id
 
-# KEYS: unchecked stream, results stream, checked bitmap, draws hash, in_check, in_stream,
-#       check_tries, enqueued bitmap, the RQ queue, RQ's set of queues, the new job's hash, verdicts
-# ARGV: group, entry id, dataset, job index, row, K ('' : no redraws), M, status, verdict JSON,
-#       kind, record id, data, logprobs ('' : none), expected extra draws, new job id ('' : none),
-#       new job's index, the checker's seconds on it, then the new job's hash as field, value pairs
+# KEYS and ARGV are read into named locals first, in the order apply() passes them.
 VERDICT = f"""
+local unchecked, results, checked, draws = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local in_check, in_stream, check_tries, enqueued = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local queue, queues, new_job_key, verdicts = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
+local group, entry_id, dataset, index, row = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local accept, most, status = ARGV[6], ARGV[7], ARGV[8]  -- accept '': no redraws
+local verdict_json, kind, record_id, data = ARGV[9], ARGV[10], ARGV[11], ARGV[12]
+local logprobs, expected_extra = ARGV[13], ARGV[14]  -- logprobs '': none
+local new_job_id, new_index, seconds = ARGV[15], ARGV[16], ARGV[17]  -- new_job_id '': no draw
+local NEW_JOB_FIELDS = 18  -- ARGV from here on: the new job's hash as field, value pairs
+
 local function acknowledge()
-  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-  redis.call('XDEL', KEYS[1], ARGV[2])
-  redis.call('HDEL', KEYS[7], ARGV[2])
+  redis.call('XACK', unchecked, group, entry_id)
+  redis.call('XDEL', unchecked, entry_id)
+  redis.call('HDEL', check_tries, entry_id)
 end
-if redis.call('GETBIT', KEYS[3], ARGV[4]) == 1 then
+if redis.call('GETBIT', checked, index) == 1 then
   acknowledge()
   return {{'again', 0}}
 end
-local status, drawn = ARGV[8], 0
-if ARGV[6] ~= '' then
-  local k, m, row = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[5]
-  local accepted = tonumber(redis.call('HGET', KEYS[4], 'a' .. row) or '0')
-  local extra = tonumber(redis.call('HGET', KEYS[4], 'd' .. row) or '0')
+local drawn = 0
+if accept ~= '' then
+  local k, m = tonumber(accept), tonumber(most)
+  local accepted = tonumber(redis.call('HGET', draws, 'a' .. row) or '0')
+  local extra = tonumber(redis.call('HGET', draws, 'd' .. row) or '0')
   if status == 'accepted' then
     if accepted >= k then
       status = 'surplus'
     else
-      redis.call('HINCRBY', KEYS[4], 'a' .. row, 1)
+      redis.call('HINCRBY', draws, 'a' .. row, 1)
     end
   elseif accepted < k and k + extra < m then
-    if tonumber(ARGV[14]) ~= extra then
+    if tonumber(expected_extra) ~= extra then
       return {{'stale', extra}}
     end
-    if ARGV[15] ~= '' then
-      redis.call('HINCRBY', KEYS[4], 'd' .. row, 1)
+    if new_job_id ~= '' then
+      redis.call('HINCRBY', draws, 'd' .. row, 1)
       local job = {{}}
-      for i = 18, #ARGV do job[#job + 1] = ARGV[i] end
-      redis.call('HSET', KEYS[11], unpack(job))
-      redis.call('SADD', KEYS[10], KEYS[9])
-      redis.call('RPUSH', KEYS[9], ARGV[15])
-      redis.call('SETBIT', KEYS[8], ARGV[16], 1)
+      for i = NEW_JOB_FIELDS, #ARGV do job[#job + 1] = ARGV[i] end
+      redis.call('HSET', new_job_key, unpack(job))
+      redis.call('SADD', queues, queue)
+      redis.call('RPUSH', queue, new_job_id)
+      redis.call('SETBIT', enqueued, new_index, 1)
       drawn = 1
     end
   end
 end
-redis.call('SETBIT', KEYS[3], ARGV[4], 1)
-local verdict = cjson.decode(ARGV[9])
+redis.call('SETBIT', checked, index, 1)
+local verdict = cjson.decode(verdict_json)
 verdict['status'] = status
-local entry = {{'{ENTRY_KIND}', ARGV[10], '{ENTRY_ID}', ARGV[11], '{ENTRY_DATA}', ARGV[12],
+local entry = {{'{ENTRY_KIND}', kind, '{ENTRY_ID}', record_id, '{ENTRY_DATA}', data,
                '{ENTRY_VERDICT}', cjson.encode(verdict)}}
-if ARGV[13] ~= '' then
+if logprobs ~= '' then
   entry[#entry + 1] = '{ENTRY_LOGPROBS}'
-  entry[#entry + 1] = ARGV[13]
+  entry[#entry + 1] = logprobs
 end
-redis.call('XADD', KEYS[2], '*', unpack(entry))
-redis.call('HINCRBY', KEYS[12], status, 1)
+redis.call('XADD', results, '*', unpack(entry))
+redis.call('HINCRBY', verdicts, status, 1)
 if type(verdict['checker']) == 'string' then
-  redis.call('HINCRBY', KEYS[12], 'by:' .. verdict['checker'], 1)
+  redis.call('HINCRBY', verdicts, 'by:' .. verdict['checker'], 1)
 end
-redis.call('HINCRBYFLOAT', KEYS[12], 'seconds', ARGV[17])
-redis.call('HINCRBY', KEYS[6], ARGV[3], 1)
-redis.call('HINCRBY', KEYS[5], ARGV[3], -1)
+redis.call('HINCRBYFLOAT', verdicts, 'seconds', seconds)
+redis.call('HINCRBY', in_stream, dataset, 1)
+redis.call('HINCRBY', in_check, dataset, -1)
 acknowledge()
 return {{status, drawn}}
 """

@@ -1,4 +1,4 @@
-"""The process a Python checker runs in: ``python -m checker.host module:function [key=value ...]``.
+"""The process a Python checker runs in: ``python -P -m genq.checker.host module:function [key=value ...]``.
 
 One JSON record a line on stdin, one JSON answer a line on stdout: ``{"verdict": {...}}`` or
 ``{"error": "..."}`` when the function raised or answered no verdict. A checker runs in a process
@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from checker.verdict import CheckerError, verdict_of
+from genq.checker.verdict import CheckerError, verdict_of
+
+
+def search_working_folder() -> None:
+    """A checker's module is looked for on this host's Python path (PYTHONPATH, the installed
+    packages), then in the working folder, last: started with ``-P``, Python puts no folder ahead
+    of genq's own packages, so a user's ``checker.py`` or ``genq/`` there shadows nothing of genq's."""
+    folder = os.getcwd()
+    if folder not in sys.path:
+        sys.path.append(folder)
 
 
 def load(target: str) -> Callable[..., Any]:
@@ -42,6 +52,7 @@ def options(pairs: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
+    search_working_folder()
     function, kwargs = load(argv[0]), options(argv[1:])
     out = sys.stdout
     sys.stdout = sys.stderr  # a checker's prints must not end up in the answers

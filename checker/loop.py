@@ -29,9 +29,9 @@ from typing import Any
 
 import redis
 
-from checker.commit import VerdictCommit
-from checker.runner import Checker, CheckerError
 from genq import datasets
+from genq.checker.commit import VerdictCommit
+from genq.checker.runner import Checker, CheckerError
 from genq.entries import ENTRY_SPEC, BadEntry, Entry, quarantine, read_entry
 from genq.keys import Keys
 from genq.queues import count_unfinished, rq_queue

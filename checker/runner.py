@@ -2,7 +2,7 @@
 slot, a killed process for a checker that hangs, and every failure one :class:`CheckerError`.
 
 Two kinds, one small interface (as genq's backends are): :class:`PythonChecker` (``--check
-module:function``: long-lived ``checker.host`` processes, one per slot, fed a record a line) and
+module:function``: long-lived ``genq.checker.host`` processes, one per slot, fed a record a line) and
 :class:`CommandChecker` (``--check-cmd CMD``: one process per record, the record on its stdin, the
 verdict on its stdout, for checkers in other languages or sandboxes). Their ``identity`` (the
 module file's hash, or the command) is recorded with the dataset: which checker judged it.
@@ -23,7 +23,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from checker.verdict import CheckerError, Verdict, verdict_of
+from genq.checker.host import search_working_folder
+from genq.checker.verdict import CheckerError, Verdict, verdict_of
 
 MAX_ANSWER_BYTES = 1 << 20  # a checker's answer beyond this is its failure, not read further
 START_TIMEOUT_S = 60.0  # a Python checker's process: imports and the module's own start-up
@@ -43,10 +44,10 @@ class Checker(ABC):
 
 
 class PythonChecker(Checker):
-    """``--check module:function``: ``slots`` processes of ``checker.host``, each one record at a time."""
+    """``--check module:function``: ``slots`` processes of ``genq.checker.host``, a record at a time each."""
 
     def __init__(self, target: str, option_pairs: list[str], slots: int) -> None:
-        self.argv = [sys.executable, "-m", "checker.host", target, *option_pairs]
+        self.argv = [sys.executable, "-P", "-m", "genq.checker.host", target, *option_pairs]
         self.identity = f"{target} {module_digest(target)}"
         self._idle: asyncio.Queue[_Host | None] = asyncio.Queue()
         for _ in range(slots):
@@ -75,7 +76,7 @@ class PythonChecker(Checker):
 
 
 class _Host:
-    """One ``checker.host`` process: a record a line in, an answer a line out."""
+    """One ``genq.checker.host`` process: a record a line in, an answer a line out."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
@@ -195,7 +196,11 @@ async def kill_group(proc: asyncio.subprocess.Process) -> None:
 def module_digest(target: str) -> str:
     """sha256 of the checker's module file, found without running it: which code judged."""
     name = target.partition(":")[0]
+    search_working_folder()  # where the checker's process looks too
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None or not Path(spec.origin).is_file():
-        raise CheckerError(f"--check {target!r}: no module {name!r} on this host's Python path")
+        raise CheckerError(
+            f"--check {target!r}: no module {name!r} on this host's Python path nor in the working folder "
+            f"({os.getcwd()}): run genq check where the module is, or put its folder on PYTHONPATH"
+        )
     return "sha256:" + hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()[:16]

@@ -26,8 +26,8 @@ from collections.abc import Callable, Collection, Mapping
 import redis
 from redis.commands.core import CoreCommands
 
-from collector.leases import LeaseHeld
 from genq.bitmaps import set_bits
+from genq.collector.leases import LeaseHeld
 from genq.keys import Keys
 from genq.schema import KIND_RECORD
 
@@ -37,19 +37,21 @@ from genq.schema import KIND_RECORD
 # Redis forgot is lost writes like a checkpoint it forgot (0). Lua's unpack stops near 8,000
 # values, so callers keep each command well under that (genq/bitmaps.py splits its BITFIELDs).
 _COMMIT = """
-for k = 2, #KEYS do
+local offsets, lease_id, n = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local FIRST_LEASE, FIRST_TRIPLE = 2, 3  -- KEYS from here: the leases; ARGV from here: the triples
+for k = FIRST_LEASE, #KEYS do
   local holder = redis.call('get', KEYS[k])
   if not holder then return 0 end
-  if holder ~= ARGV[1] then return -1 end
-end
-local n = tonumber(ARGV[2])
-for i = 0, n - 1 do
-  if (redis.call('hget', KEYS[1], ARGV[3 + 3 * i]) or '0') ~= ARGV[4 + 3 * i] then return 0 end
+  if holder ~= lease_id then return -1 end
 end
 for i = 0, n - 1 do
-  redis.call('hset', KEYS[1], ARGV[3 + 3 * i], ARGV[5 + 3 * i])
+  local field, expected = ARGV[FIRST_TRIPLE + 3 * i], ARGV[FIRST_TRIPLE + 1 + 3 * i]
+  if (redis.call('hget', offsets, field) or '0') ~= expected then return 0 end
 end
-local i = 3 + 3 * n
+for i = 0, n - 1 do
+  redis.call('hset', offsets, ARGV[FIRST_TRIPLE + 3 * i], ARGV[FIRST_TRIPLE + 2 + 3 * i])
+end
+local i = FIRST_TRIPLE + 3 * n  -- then the commands
 while i <= #ARGV do
   local count = tonumber(ARGV[i])
   redis.call(unpack(ARGV, i + 1, i + count))

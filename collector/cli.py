@@ -11,10 +11,10 @@ from pathlib import Path
 import click
 import redis
 
-from collector import metrics
-from collector.leases import LeaseHeld
-from collector.loop import Loop, Stopped
-from collector.writer import Collector, WriteFailed
+from genq.collector import metrics
+from genq.collector.leases import LeaseHeld
+from genq.collector.loop import Loop, Stopped
+from genq.collector.writer import Collector, WriteFailed
 from genq.connection import connect, wait_for_redis
 from genq.keys import Keys, validate_name
 from genq.logs import logging_options, setup_logging

@@ -123,10 +123,6 @@ class Appender:
             os.close(self._fd)
             raise Foreign(path, why)
 
-    @property
-    def dirty(self) -> bool:
-        return bool(self._buf)
-
     def append(self, obj: dict) -> None:
         self.append_bytes(orjson.dumps(obj) + b"\n")
 

@@ -25,12 +25,17 @@ LEASE_TTL_S = 15
 # cut off from Redis cannot renew it, and another may take over once it lapses.
 FENCE_MARGIN_S = 3.0
 
-_DELETE_IF = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+_DELETE_IF = """
+local key, holder = KEYS[1], ARGV[1]
+if redis.call('get', key) == holder then return redis.call('del', key) end
+return 0
+"""
 # 1: renewed; 2: it was gone (Redis forgot it) and is ours again; 0: another collector holds it.
 _RENEW = """
-local holder = redis.call('get', KEYS[1])
-if holder == ARGV[1] then redis.call('expire', KEYS[1], ARGV[2]) return 1 end
-if not holder then redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2]) return 2 end
+local lease, mine, ttl = KEYS[1], ARGV[1], ARGV[2]
+local holder = redis.call('get', lease)
+if holder == mine then redis.call('expire', lease, ttl) return 1 end
+if not holder then redis.call('set', lease, mine, 'EX', ttl) return 2 end
 return 0
 """
 

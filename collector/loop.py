@@ -11,9 +11,9 @@ from typing import TypeVar
 
 import redis
 
-from collector.checkpoint import Stale
-from collector.writer import Collector, WriteFailed
 from genq import backoff
+from genq.collector.checkpoint import Stale
+from genq.collector.writer import Collector, WriteFailed
 from genq.reaper import reap
 from genq.redis_errors import Outage
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import redis
 
-from collector.checkpoint import Checkpoints, Commands, Stale, mark
-from collector.files import Unreadable, cut_torn_tail, rewrite_tail, scan
-from collector.leases import Leases
 from genq import token_counts
 from genq.bitmaps import is_set, set_bits
+from genq.collector.checkpoint import Checkpoints, Commands, Stale, mark
+from genq.collector.files import Unreadable, cut_torn_tail, rewrite_tail, scan
+from genq.collector.leases import Leases
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS
 from genq.logprobs import frames as logprobs_frames

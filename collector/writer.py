@@ -22,14 +22,14 @@ from pathlib import Path
 
 import redis
 
-from collector import metrics, rq_failed
-from collector.checkpoint import Checkpoints, Commands, Stale, mark
-from collector.files import Appender, Foreign, Unreadable
-from collector.leases import Leases
-from collector.reconcile import Reconciler
 from genq import datasets as datasets_mod
 from genq import progress, provenance, token_counts
 from genq.bitmaps import get_bits, set_bits
+from genq.collector import metrics, rq_failed
+from genq.collector.checkpoint import Checkpoints, Commands, Stale, mark
+from genq.collector.files import Appender, Foreign, Unreadable
+from genq.collector.leases import Leases
+from genq.collector.reconcile import Reconciler
 from genq.entries import BadEntry, quarantine, read_entry
 from genq.keys import Keys
 from genq.logprobs import FILE as LOGPROBS

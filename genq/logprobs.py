@@ -73,9 +73,6 @@ class LogProbs:
     def k(self) -> int:
         return max((len(row) for row in self.top_ids), default=0)
 
-    def bytes_per_token(self) -> int:
-        return 4 + 6 * self.k
-
 
 def pack(record_id: str, lp: LogProbs) -> bytes:
     """One frame, checked; rows of the top lists shorter than K (the vocabulary ran out) are padded.

@@ -67,10 +67,6 @@ class Request:
         return {"url": self.url, "model": self.model}
 
 
-def is_request(data: dict[str, Any]) -> bool:
-    return "custom_id" in data and "body" in data
-
-
 def parse(data: dict[str, Any]) -> Request:
     """A request line, checked: its url, its body's prompt field present, every body field known."""
     custom_id = data.get("custom_id")

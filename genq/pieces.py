@@ -16,6 +16,21 @@ from genq.backends import Answer
 from genq.schema import JobSpec, dumps, loads
 
 
+def cannot_continue(server_renders: bool, turns: str | None) -> str | None:
+    """Why the outputs of prompts made this way cannot go on a piece at a time (the prompt and the
+    output so far sent again as token ids), or None. Written once for `genq enqueue --continue-to`
+    and `genq retry --truncated --continue-to` (producer/extend.py)."""
+    if server_renders:
+        return (
+            "its prompts are messages a chat server renders (the openai-chat backend sends messages), and "
+            "--continue-to sends the prompt and the output so far as token ids: give --tokenizer and a "
+            "token backend (sglang, vllm or llamacpp)"
+        )
+    if turns == "all":
+        return "a conversation (--turns all) is not continued: --continue-to continues one answer"
+    return None
+
+
 @dataclass
 class Progress:
     """The output so far of one job: what Redis keeps between pieces."""

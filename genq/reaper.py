@@ -35,11 +35,12 @@ STRANDED_MIN_S = 10
 # clock. (A lock held for the caller's interval let the collector's 15 s hold back workers whose
 # short heartbeat TTL asks for a reap every 2 s: their jobs came back up to 15 s late.)
 _CLAIM = """
+local lock, interval = KEYS[1], tonumber(ARGV[1])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local last = tonumber(redis.call('GET', KEYS[1]) or '') or 0
-if now - last < tonumber(ARGV[1]) then return 0 end
-redis.call('SET', KEYS[1], string.format('%.3f', now), 'EX', 600)
+local last = tonumber(redis.call('GET', lock) or '') or 0
+if now - last < interval then return 0 end
+redis.call('SET', lock, string.format('%.3f', now), 'EX', 600)
 return 1
 """
 

@@ -29,51 +29,26 @@ REJECTS = "rejected.jsonl"
 # tokenizer there).
 SETTINGS = "dataset.json"
 # What `genq export` writes beside them by default, per format; `genq stats` knows its own exports
-# there and does not count their records twice (collector/stats.py).
+# there and does not count their records twice (outputs/stats.py).
 EXPORTS = {
     "eagle3": "tokenized_data.jsonl",
     "sharegpt": "sharegpt.jsonl",
     "messages": "messages.jsonl",
     "openai-batch": "batch_output.jsonl",
-    "parquet": "records.parquet",  # shards records-00000-of-00002.parquet... (collector/parquet.py)
+    "parquet": "records.parquet",  # shards records-00000-of-00002.parquet... (outputs/parquet.py)
 }
 
-RECORD_FIELDS = (
-    "id",
-    "dataset",
-    "row",
-    "source_id",
-    "sample",
-    "prompt_tokens",
-    "completion_tokens",
-    "cached_tokens",
-    "output_ids",
-    "text",
-    "reasoning",
-    "content",
-    "finish_reason",
-    "matched_stop",
-    "latency_s",
-    "attempts",
-    "server",
-    "worker",
-    "sampling_params",
-    "finished_at",
-    "schema",
-    "backend",
-)
-ERROR_FIELDS = (
-    "id",
-    "dataset",
-    "row",
-    "source_id",
-    "sample",
-    "error",
-    "message",
-    "status",
-    "attempts",
-    "failed_at",
-)
+
+def shard_name(stem: str, k: int, n: int) -> str:
+    """The Parquet shard ``k`` of ``n`` of an export (Hugging Face's naming: the Hub and `datasets`
+    load ``<stem>-*-of-*.parquet`` as one split)."""
+    return f"{stem}-{k:05d}-of-{n:05d}.parquet"
+
+
+def shard_glob(stem: str) -> str:
+    """Every shard of an export named after ``stem``: what exports replace, cards and pushes list."""
+    return f"{stem}-*-of-*.parquet"
+
 
 # How often RQ may requeue a job whose worker died (its abandoned-job handling) before failing
 # it. The real budget is the per-job attempt count workers keep in Redis (``--max-attempts``).

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from genq.backends import ServerInfo
-from producer.readers import Rejected, Row
+from genq.producer.readers import Rejected, Row
 
 
 @dataclass

@@ -16,9 +16,9 @@ from typing import Any
 
 import orjson
 
+from genq.producer.enqueue import Options, Report, checked, render_stream
+from genq.producer.readers import Rejected, Row, read_dataset
 from genq.sources import SourceError
-from producer.enqueue import Options, Report, checked, render_stream
-from producer.readers import Rejected, Row, read_dataset
 
 
 @dataclass

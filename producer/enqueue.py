@@ -35,17 +35,17 @@ from genq.bitmaps import is_set, set_bits
 from genq.connection import redact
 from genq.conversation import first_turn
 from genq.keys import Keys
+from genq.producer.context import Limits, check_fits, check_recipe, check_vocab
+from genq.producer.fingerprints import Fingerprints
+from genq.producer.formats import Shape
+from genq.producer.lease import Lease
+from genq.producer.readers import Rejected, Row, read_dataset
+from genq.producer.rejects import RejectsFile
 from genq.queues import rq_queue
 from genq.redis_errors import Outage, patiently
 from genq.schema import JobSpec, bit_index, now_iso, record_id
 from genq.sources import SourceError
 from genq.templates import ChatTemplate
-from producer.context import Limits, check_fits, check_recipe, check_vocab
-from producer.fingerprints import Fingerprints
-from producer.formats import Shape
-from producer.lease import Lease
-from producer.readers import Rejected, Row, read_dataset
-from producer.rejects import RejectsFile
 
 log = logging.getLogger("genq.enqueue")
 

@@ -27,7 +27,7 @@ from genq.bitmaps import is_set, set_bits
 from genq.datasets import DatasetSettings
 from genq.keys import Keys
 from genq.openai_batch import RECORD_KEY as BATCH_KEY
-from genq.pieces import Progress
+from genq.pieces import Progress, cannot_continue
 from genq.queues import rq_queue
 from genq.schema import ID_AT_START, JobSpec, bit_index, parse_record_id
 
@@ -55,13 +55,9 @@ class Extended:
 def check(settings: DatasetSettings) -> None:
     """Refuse, in one line, a dataset whose outputs cannot go on as token ids."""
     prompting = settings.prompting
-    if prompting.get("backend") == "openai-chat":
-        raise CannotExtend(
-            f"dataset {settings.name}: its prompts are messages a chat server renders; --continue-to "
-            "sends the prompt and the output so far as token ids"
-        )
-    if prompting.get("turns") == "all":
-        raise CannotExtend(f"dataset {settings.name}: a conversation (--turns all) is not continued")
+    why = cannot_continue(prompting.get("backend") == "openai-chat", prompting.get("turns"))
+    if why is not None:
+        raise CannotExtend(f"dataset {settings.name}: {why}")
     if prompting.get("logprobs") is not None:
         raise CannotExtend(
             f"dataset {settings.name}: its records' logprobs frames are not carried into an extension yet"

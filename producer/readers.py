@@ -15,9 +15,9 @@ from pathlib import Path
 import orjson
 
 from genq import sources
+from genq.producer.fingerprints import FileHash, Fingerprints, Mark
+from genq.producer.formats import Prompt, RowError, Shape, ShapeError
 from genq.sources import SourceError
-from producer.fingerprints import FileHash, Fingerprints, Mark
-from producer.formats import Prompt, RowError, Shape, ShapeError
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from producer.readers import Rejected
+from genq.producer.readers import Rejected
 
 # "field 'messages'[2].content: ..." -> messages[2].content
 _FIELD = re.compile(r"field '([^']*)'((?:\[\d+\])*(?:\.[\w.]+)?)")

@@ -16,10 +16,10 @@ from typing import Any
 import click
 from aiohttp import web
 
-from sim import model, versions
-from sim.config import SimConfig
-from sim.faults import FaultRates
-from sim.server import make_app
+from genq.sim import model, versions
+from genq.sim.config import SimConfig
+from genq.sim.faults import FaultRates
+from genq.sim.server import make_app
 
 RATE = click.FloatRange(0.0, 1.0)
 

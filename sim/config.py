@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sim import model
-from sim.faults import FaultRates
-from sim.scheduler import LatencyParams
+from genq.sim import model
+from genq.sim.faults import FaultRates
+from genq.sim.scheduler import LatencyParams
 
 
 @dataclass

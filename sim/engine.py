@@ -21,9 +21,9 @@ from typing import Any
 
 from aiohttp import web
 
-from sim import model
-from sim.scheduler import QueueFull
-from sim.state import Flight, SimState
+from genq.sim import model
+from genq.sim.scheduler import QueueFull
+from genq.sim.state import Flight, SimState
 
 REFUSALS = ("error_500", "error_503", "error_429", "duplicate")
 

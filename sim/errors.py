@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from sim.http import json_response
+from genq.sim.http import json_response
 
 
 def value_error(message: str) -> web.Response:

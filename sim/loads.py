@@ -23,9 +23,9 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
-from sim import model
-from sim.http import json_response
-from sim.state import SIM_STATE, SimState
+from genq.sim import model
+from genq.sim.http import json_response
+from genq.sim.state import SIM_STATE, SimState
 
 BLOCK = 16  # vLLM's default block size in tokens (CacheConfig.block_size)
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"

@@ -16,10 +16,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from sim import model
-from sim.engine import Served, deliver, generate
-from sim.http import json_response
-from sim.state import SIM_STATE, SimState
+from genq.sim import model
+from genq.sim.engine import Served, deliver, generate
+from genq.sim.http import json_response
+from genq.sim.state import SIM_STATE, SimState
 
 # The request fields of OpenAI's chat completions API.
 FIELDS = frozenset(

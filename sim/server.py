@@ -12,12 +12,12 @@ import asyncio
 
 from aiohttp import web
 
-from sim import openai_chat, sglang, vllm
-from sim.config import SimConfig
-from sim.errors import validation_error
-from sim.faults import FaultRates
-from sim.http import json_body, json_response
-from sim.state import SIM_STATE, SimState
+from genq.sim import openai_chat, sglang, vllm
+from genq.sim.config import SimConfig
+from genq.sim.errors import validation_error
+from genq.sim.faults import FaultRates
+from genq.sim.http import json_body, json_response
+from genq.sim.state import SIM_STATE, SimState
 
 __all__ = ["SIM_STATE", "SimConfig", "make_app"]
 

@@ -13,12 +13,12 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from sim import loads, model
-from sim.engine import Served, deliver, generate
-from sim.errors import http_error, value_error
-from sim.http import json_body, json_response
-from sim.sglang_request import GenerateRequest, RequestError, check_rid, parse_body, parse_generate
-from sim.state import SIM_STATE, SimState
+from genq.sim import loads, model
+from genq.sim.engine import Served, deliver, generate
+from genq.sim.errors import http_error, value_error
+from genq.sim.http import json_body, json_response
+from genq.sim.sglang_request import GenerateRequest, RequestError, check_rid, parse_body, parse_generate
+from genq.sim.state import SIM_STATE, SimState
 
 # What an injected refusal says (SGLang never sends 429: that fault is for hosted-API clients).
 _REFUSED = {

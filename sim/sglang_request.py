@@ -14,9 +14,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from sim import model
-from sim.errors import internal_error, schema_error, validation_error, value_error
-from sim.versions import Quirks
+from genq.sim import model
+from genq.sim.errors import internal_error, schema_error, validation_error, value_error
+from genq.sim.versions import Quirks
 
 # The fields of SGLang 0.5.23's SamplingParams, in the order its schema gate lists them in "unknown
 # field" errors (entrypoints/api_contract.py, checked against the real server).

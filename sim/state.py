@@ -10,12 +10,12 @@ from typing import NoReturn
 
 from aiohttp import web
 
-from sim.cache import PromptCache
-from sim.config import SimConfig
-from sim.faults import FaultInjector
-from sim.scheduler import BatchScheduler, Sequence
-from sim.stats import SimStats
-from sim.versions import Quirks
+from genq.sim.cache import PromptCache
+from genq.sim.config import SimConfig
+from genq.sim.faults import FaultInjector
+from genq.sim.scheduler import BatchScheduler, Sequence
+from genq.sim.stats import SimStats
+from genq.sim.versions import Quirks
 
 CRASH_EXIT = 134  # as a process killed by an abort()/device assert
 

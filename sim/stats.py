@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sim.faults import FAULT_KINDS
+from genq.sim.faults import FAULT_KINDS
 
 
 @dataclass

@@ -27,13 +27,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from sim import loads, model
-from sim.engine import Served, deliver, generate
-from sim.http import json_response
-from sim.openai_chat import ChatError, chat_body, finish_of, parse_messages, sampling, usage
-from sim.state import SIM_STATE, SimState
-from sim.versions import parse
-from sim.vllm_request import parse_fields, verify
+from genq.sim import loads, model
+from genq.sim.engine import Served, deliver, generate
+from genq.sim.http import json_response
+from genq.sim.openai_chat import ChatError, chat_body, finish_of, parse_messages, sampling, usage
+from genq.sim.state import SIM_STATE, SimState
+from genq.sim.versions import parse
+from genq.sim.vllm_request import parse_fields, verify
 
 DEFAULT_MAX_TOKENS = 16
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sim.openai_chat import ChatError
+from genq.sim.openai_chat import ChatError
 
 _INT = ("max_tokens", "max_completion_tokens", "min_tokens", "seed", "n", "top_logprobs", "top_k")
 _FLOAT = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")

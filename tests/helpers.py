@@ -28,7 +28,7 @@ from genq.backends import BACKENDS, Http
 from genq.backends.load import Load
 from genq.commands.processes import genq_command
 from genq.keys import Keys
-from sim.model import generate
+from genq.sim.model import generate
 
 
 def need(tool: str) -> str:
@@ -176,11 +176,13 @@ class Procs:
         self.logs = logs
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> GenqProcess:
+    def start(
+        self, *args: str, name: str | None = None, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> GenqProcess:
         log = self.logs / f"{name or args[0]}-{len(self.procs)}.log"
         full_env = {**self.env, **(env or {})}
         with open(log, "wb") as fh:
-            proc = GenqProcess(genq_argv(*args), env=full_env, stdout=fh, stderr=subprocess.STDOUT)
+            proc = GenqProcess(genq_argv(*args), env=full_env, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd)
         proc.log_path, proc.env_of = log, full_env
         self.procs.append(proc)
         return proc

@@ -9,8 +9,8 @@ import pytest
 from rq import Queue
 
 from genq.keys import Keys
+from genq.producer.lease import TTL_MS
 from genq.progress import STATES, dataset_counts
-from producer.lease import TTL_MS
 from tests.helpers import check_records, log_of, sigkill, stop, wait_until, write_prompts
 
 PARAMS = {"max_new_tokens": 64}

@@ -19,7 +19,7 @@ import redis
 from genq import progress
 from genq.commands.embedded import EmbeddedRedis
 from genq.keys import Keys
-from sim.model import generate, render_chat
+from genq.sim.model import generate, render_chat
 from tests.helpers import Procs, log_of, read_jsonl, sigkill, sim_stats, stop, wait_until, write_jsonl
 
 TOO_LONG_EVERY = 50  # 2 % of the prompts cannot fit the context

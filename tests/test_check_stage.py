@@ -318,3 +318,34 @@ def test_what_a_killed_checker_was_judging_is_taken_up_by_another(procs, start_s
     accepted, others = outcome(out, "slow")
     assert sorted(r["row"] for r in accepted) == list(range(rows)) and not others
     assert counts["verdicts"] == {"accepted": rows}
+
+
+@pytest.mark.parametrize("on_pythonpath", [True, False], ids=["on PYTHONPATH", "working folder"])
+def test_a_checker_beside_the_users_own_checker_py_and_worker_py(
+    procs, start_sim, out, tmp_path, on_pythonpath
+):
+    """`genq check --check mychecks:judge` run from a folder that also holds the user's own
+    `checker.py` and `worker.py` (the most natural names), that folder on PYTHONPATH or only the
+    working folder: genq's packages are genq.checker and genq.worker, so nothing of the user's
+    shadows them, and the user's module is found (the working folder is searched last)."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "checker.py").write_text("raise SystemExit('the user checker.py was imported')\n")
+    (folder / "worker.py").write_text("raise SystemExit('the user worker.py was imported')\n")
+    (folder / "mychecks.py").write_text("def judge(record):\n    return record['row'] % 2 == 0\n")
+    data = tmp_path / "mine.jsonl"
+    write_prompts(data, 20)
+    url = start_sim("--latency", "zero")
+    assert procs.run("enqueue", data, "--max-new-tokens", "16", "--checked").returncode == 0
+    env = {"PYTHONPATH": str(folder)} if on_pythonpath else None
+    roles = [
+        procs.start("worker", "--server", url, env=env, cwd=folder),
+        procs.start("check", "--check", "mychecks:judge", env=env, cwd=folder),
+        procs.start("collect", "--out", out),
+    ]
+    counts = check_settled(procs, "mine", 120)
+    for proc in roles:
+        assert stop(proc, timeout=60) == 0, log_of(proc)
+    assert counts["verdicts"] == {"accepted": 10, "rejected": 10}, counts
+    accepted, others = outcome(out, "mine")
+    assert sorted(r["row"] for r in accepted) == list(range(0, 20, 2))

@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 
-from checker import builtin
-from checker.runner import CommandChecker, PythonChecker
-from checker.verdict import CheckerError, Verdict, verdict_of
+from genq.checker import builtin
+from genq.checker.runner import CommandChecker, PythonChecker
+from genq.checker.verdict import CheckerError, Verdict, verdict_of
 
 
 def record(content: str, **fields: object) -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from collector.writer import Collector
+from genq.collector.writer import Collector
 from genq.commands.embedded import EmbeddedRedis
 from genq.connection import connect
 from genq.keys import Keys

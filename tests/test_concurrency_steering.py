@@ -5,7 +5,7 @@ target moves against a live server is tests/test_concurrency.py's."""
 from __future__ import annotations
 
 from genq.backends.load import Load
-from worker.concurrency import FLOOR, SHRINK_QUEUE, START, Concurrency
+from genq.worker.concurrency import FLOOR, SHRINK_QUEUE, START, Concurrency
 
 
 def auto(ceiling: int = 1024) -> Concurrency:

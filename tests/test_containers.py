@@ -24,7 +24,7 @@ import orjson
 import pytest
 
 from genq.commands.embedded import EmbeddedRedis, free_port
-from sim.model import tokenize
+from genq.sim.model import tokenize
 from tests.helpers import (
     assert_adds_up,
     check_records,

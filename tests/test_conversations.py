@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from genq.conversation import answer_message, turn_prompt
 from genq.keys import Keys
-from sim.model import generate
+from genq.sim.model import generate
 from tests.helpers import log_of, read_jsonl, sigkill, sim_stats, status_json, wait_until, write_jsonl
 
 PARAMS = {"max_new_tokens": 40}
@@ -210,7 +210,7 @@ def test_a_chat_endpoint_renders_each_turn_itself(procs, start_sim, out, tmp_pat
     worker = procs.start("worker", "--server", url, "--burst")
     assert worker.wait(60) == 0, log_of(worker)
     assert procs.run("collect", "--out", out, "--burst").returncode == 0
-    from sim.model import render_chat
+    from genq.sim.model import render_chat
 
     records = read_jsonl(out / "chats" / "raw_responses.jsonl")
     assert sorted(r["row"] for r in records) == list(range(len(rows)))

@@ -19,8 +19,8 @@ from rq.serializers import JSONSerializer
 from genq.commands.dashboard_app import ROUTES, STATE_CHANGING, UNREADABLE, create_app
 from genq.commands.embedded import free_port
 from genq.keys import Keys
+from genq.worker import rq_batch
 from tests.helpers import one_failure, status_json, wait_until, write_prompts
-from worker import rq_batch
 
 REGISTRIES = ("queued", "failed", "started", "finished", "deferred", "scheduled", "canceled")
 

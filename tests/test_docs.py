@@ -29,7 +29,8 @@ from tests.helpers import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SOURCES = ["genq", "producer", "worker", "collector", "sim", "ops", "bench", "compose.yaml", "Makefile"]
+ROLES = ["producer", "worker", "collector", "checker", "outputs", "sim"]
+SOURCES = ["genq", *ROLES, "ops", "bench", "compose.yaml", "Makefile"]
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 VARIABLE = re.compile(r"\bGENQ_[A-Z0-9_]+\b")
 # `genq CMD` and what follows it on the line, up to a pipe, `;`, `&&` or the end of a code span.
@@ -278,7 +279,7 @@ class GenqMessages:
     @staticmethod
     def _strings() -> set[str]:
         found: set[str] = set()
-        for package in ("genq", "producer", "worker", "collector", "sim"):
+        for package in ("genq", *ROLES):
             for path in (ROOT / package).rglob("*.py"):
                 tree = ast.parse(path.read_text())
                 docstrings = {

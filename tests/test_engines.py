@@ -13,7 +13,7 @@ import sys
 import orjson
 import pytest
 
-from sim.model import generate, render_chat
+from genq.sim.model import generate, render_chat
 from tests.helpers import (
     check_records,
     log_of,

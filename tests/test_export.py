@@ -7,7 +7,7 @@ from pathlib import Path
 
 import orjson
 
-from sim.model import generate, tokenize
+from genq.sim.model import generate, tokenize
 from tests.dataset_helpers import run_pipeline
 from tests.helpers import read_jsonl, write_jsonl
 

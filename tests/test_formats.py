@@ -12,9 +12,9 @@ from rq import Queue
 
 from genq import sources
 from genq.keys import Keys
+from genq.producer.formats import Shape
+from genq.producer.readers import Rejected, Row, read_dataset
 from genq.sources import SourceError
-from producer.formats import Shape
-from producer.readers import Rejected, Row, read_dataset
 from tests.helpers import read_jsonl, write_jsonl
 
 CONVERSATION = [

@@ -10,7 +10,7 @@ import pytest
 from genq.entries import ENTRY_LOGPROBS
 from genq.keys import Keys
 from genq.logprobs import F16_MAX, FILE, FLAG_CLAMPED, FLAG_NULL, LogProbs, frames, pack, valid_end
-from sim.model import logprobs as sim_logprobs
+from genq.sim.model import logprobs as sim_logprobs
 from tests.helpers import (
     check_records,
     kill_collector_mid_write,

@@ -8,7 +8,7 @@ import orjson
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from sim.model import tokenize
+from genq.sim.model import tokenize
 from tests.dataset_helpers import run_pipeline
 from tests.helpers import read_jsonl, write_jsonl
 

@@ -14,8 +14,8 @@ import redis
 from genq.commands.embedded import free_port
 from genq.keys import Keys
 from genq.logprobs import FILE, frames
-from sim.model import generate
-from sim.model import logprobs as sim_logprobs
+from genq.sim.model import generate
+from genq.sim.model import logprobs as sim_logprobs
 from tests.helpers import (
     finish_run,
     genq_argv,
@@ -126,7 +126,7 @@ def test_logprobs_join_across_pieces_into_one_frame(procs, start_sim, out, tmp_p
     [
         (("--continue-to", "16"), "must be above --max-new-tokens 16"),
         (("--continue-to", "64", "--backend", "openai-chat"), "the openai-chat backend sends messages"),
-        (("--continue-to", "64", "--turns", "all"), "does not go with --turns all"),
+        (("--continue-to", "64", "--turns", "all"), "a conversation (--turns all) is not continued"),
     ],
 )
 def test_continue_to_that_cannot_be_done_is_refused_in_one_line(procs, tmp_path, flags, why):

@@ -110,7 +110,13 @@ def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums
     # a Hub that refuses is said in one line.
     planned = [line.split(":", 1)[0] for line in lines[:-1]]
     with Hub() as hub:
-        env = {"HF_TOKEN": "hf_not_a_real_token_123", "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"}
+        # Online (another test of this process may have set HF_HUB_OFFLINE, as genq's tokenizer loader does).
+        env = {
+            "HF_TOKEN": "hf_not_a_real_token_123",
+            "HF_ENDPOINT": hub.url,
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_OFFLINE": "0",
+        }
         res = procs.run("push", "someone/prov-data", "--out", out, env=env)
         assert res.returncode == 0, res.stderr
         repo = hub.repos["someone/prov-data"]

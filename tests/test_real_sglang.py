@@ -419,7 +419,7 @@ def test_the_regex_checker_keeps_what_the_real_model_writes_to_a_pattern(
     before = metric(sglang.url, *GENERATES)
     roles = [
         procs.start("worker", "--server", sglang.url, "--concurrency", "8"),
-        procs.start("check", "--check", "checker.builtin:regex", "--check-option", f"must={pattern}"),
+        procs.start("check", "--check", "genq.checker.builtin:regex", "--check-option", f"must={pattern}"),
         procs.start("collect", "--out", out),
     ]
     counts = check_settled(procs, "rx", 300)

@@ -20,6 +20,7 @@ from genq import progress
 from genq.commands.embedded import EmbeddedRedis
 from genq.keys import Keys
 from genq.redis_errors import NOT_NOW, not_now
+from genq.worker.background import keep_running
 from tests.helpers import (
     assert_adds_up,
     assert_verified,
@@ -33,7 +34,6 @@ from tests.helpers import (
     wait_until,
     write_prompts,
 )
-from worker.background import keep_running
 
 N = 1500
 OLDEST_REDIS_PY = "5.0.1"  # pyproject.toml's floor

@@ -91,7 +91,7 @@ def _state(conn, queue, job_id: str) -> dict:
 
     from rq.executions import Execution
 
-    from worker import rq_batch
+    from genq.worker import rq_batch
 
     job = Job.fetch(job_id, connection=conn, serializer="json")
     found = [
@@ -132,7 +132,7 @@ def test_genq_takes_and_finishes_jobs_writing_what_rqs_own_worker_writes(conn, n
     from rq.utils import now
 
     from genq.clock import RedisClock, redis_time
-    from worker import rq_batch
+    from genq.worker import rq_batch
 
     queue = Queue(f"{namespace}.contract", connection=conn, serializer="json")
     for name in ("theirs", "ours"):
@@ -224,8 +224,8 @@ def _taken(conn, namespace: str, queue, worker_name: str, keys):
 
     from genq.clock import RedisClock
     from genq.schema import JobSpec
-    from worker import rq_batch
-    from worker.rq_worker import Taken
+    from genq.worker import rq_batch
+    from genq.worker.rq_worker import Taken
 
     script = conn.register_script(rq_batch.TAKE)
     take_keys = (
@@ -281,8 +281,8 @@ def test_genq_fails_a_job_in_one_step_writing_what_rqs_own_worker_writes(conn, n
 
     from genq.keys import Keys
     from genq.schema import KIND_ERROR
-    from worker import rq_batch
-    from worker.rq_worker import Bookkeeper, Finished
+    from genq.worker import rq_batch
+    from genq.worker.rq_worker import Bookkeeper, Finished
 
     keys = Keys(namespace)
     queue = Queue(f"{namespace}.contract", connection=conn, serializer="json")
@@ -330,7 +330,7 @@ def test_a_commit_sent_again_after_its_reply_was_lost_writes_nothing_twice(conn,
 
     from genq.keys import Keys
     from genq.schema import KIND_ERROR, KIND_RECORD
-    from worker.rq_worker import Bookkeeper, Finished
+    from genq.worker.rq_worker import Bookkeeper, Finished
 
     keys = Keys(namespace)
     queue = Queue(f"{namespace}.contract", connection=conn, serializer="json")
@@ -453,7 +453,7 @@ def _whole_state(conn, queue, job_id: str, worker, dataset: str) -> dict:
     from rq.executions import Execution
 
     from genq.clock import redis_time
-    from worker import rq_batch
+    from genq.worker import rq_batch
 
     now = redis_time(conn)
     executions = rq_batch.EXECUTIONS.format(job_id)
@@ -550,8 +550,8 @@ def test_each_step_leaves_the_whole_state_rqs_own_worker_leaves(conn, namespace,
     from genq.keys import Keys
     from genq.reaper import reap
     from genq.schema import KIND_ERROR, KIND_RECORD, JobSpec
-    from worker import rq_batch
-    from worker.rq_worker import Bookkeeper, Finished
+    from genq.worker import rq_batch
+    from genq.worker.rq_worker import Bookkeeper, Finished
 
     keys = Keys(namespace)
     datasets.register(conn, keys, datasets.DatasetSettings("ours", 1, {"max_new_tokens": 8}))
@@ -643,8 +643,8 @@ def test_a_job_genq_cannot_read_is_failed_through_rqs_own_code(conn, namespace):
 
     from genq import datasets
     from genq.keys import Keys
-    from worker import rq_batch
-    from worker.rq_worker import Bookkeeper
+    from genq.worker import rq_batch
+    from genq.worker.rq_worker import Bookkeeper
 
     keys = Keys(namespace)
     datasets.register(conn, keys, datasets.DatasetSettings("odd", 1, {"max_new_tokens": 8}))

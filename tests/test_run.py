@@ -105,7 +105,7 @@ def test_run_example_dataset_text_prompts(tmp_path, monkeypatch):
     """The README's quick start, on the example that ships in the repo, with a relative --out."""
     from pathlib import Path
 
-    from sim.model import tokenize
+    from genq.sim.model import tokenize
 
     monkeypatch.delenv("GENQ_REDIS_URL", raising=False)
     example = Path(__file__).parent.parent / "examples" / "prompts.jsonl"

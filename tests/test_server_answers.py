@@ -15,6 +15,7 @@ from collections import Counter
 import pytest
 
 from genq.commands.embedded import free_port
+from genq.worker.gate import WRONG_IN_A_ROW
 from tests.helpers import (
     check_records,
     finish_run,
@@ -31,7 +32,6 @@ from tests.helpers import (
     wait_until,
     write_prompts,
 )
-from worker.gate import WRONG_IN_A_ROW
 
 MAX_NEW = 40
 PARAMS = {"max_new_tokens": MAX_NEW}

@@ -18,7 +18,7 @@ import redis
 
 from genq.commands.embedded import free_port
 from genq.keys import Keys
-from sim.model import VOCAB_SIZE, generate
+from genq.sim.model import VOCAB_SIZE, generate
 from tests.helpers import (
     check_records,
     genq_argv,

@@ -1,6 +1,6 @@
 """The SGLang simulator, driven as a real process over real HTTP.
 
-Each server runs as `python -m sim --port 0 ...` in a subprocess, as demos and load tests run it,
+Each server runs as `python -m genq.sim --port 0 ...` in a subprocess, as demos and load tests run it,
 so the CLI, the printed URL line and SIGTERM handling are tested too. Every wait is bounded.
 """
 
@@ -24,10 +24,10 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from sim import cli as sim_cli
-from sim import model
-from sim.config import SimConfig
-from sim.scheduler import BatchScheduler
+from genq.sim import cli as sim_cli
+from genq.sim import model
+from genq.sim.config import SimConfig
+from genq.sim.scheduler import BatchScheduler
 from tests.helpers import sim_stats, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -43,7 +43,7 @@ def running_sim(*flags: str, env: dict[str, str] | None = None) -> Iterator[str]
     """Start the simulator, yield its base URL, then SIGTERM it and require a clean exit 0."""
     with tempfile.TemporaryFile() as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sim", "--port", "0", *flags],
+            [sys.executable, "-P", "-m", "genq.sim", "--port", "0", *flags],
             cwd=REPO_ROOT,
             env={**os.environ, **(env or {})},
             stdout=subprocess.PIPE,
@@ -91,7 +91,7 @@ def base_url() -> Iterator[str]:
 def start_sim() -> Iterator[Any]:
     """Start servers with given flags (and environment); all are stopped at the end of the test.
 
-    This module's own, not conftest's `genq sim-server` launcher: it runs the `python -m sim` entry
+    This module's own, not conftest's `genq sim-server` launcher: it runs the `python -m genq.sim` entry
     point, can pass environment variables (GENQ_SIM_*), and requires exit 0 on SIGTERM."""
     with contextlib.ExitStack() as stack:
         yield lambda *flags, env=None: stack.enter_context(running_sim(*flags, env=env))
@@ -268,7 +268,7 @@ def test_ids_outside_the_vocabulary_crash_the_server(bad_id: int) -> None:
     every connection; it does not answer 400."""
     with tempfile.TemporaryFile() as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sim", "--port", "0"],
+            [sys.executable, "-P", "-m", "genq.sim", "--port", "0"],
             cwd=REPO_ROOT,
             stdout=subprocess.PIPE,
             stderr=stderr,
@@ -653,7 +653,7 @@ def test_latency_grows_with_concurrency(monkeypatch: pytest.MonkeyPatch) -> None
     params = configs[0].latency_params()
     assert (params.decode_step_s, params.batch_knee, params.prefill_per_token_s) == (0.005, 16, 0.0)
     # Only the scheduler sleeps in this event loop (no prefill: nothing waits on the real clock).
-    monkeypatch.setattr("sim.scheduler.asyncio.sleep", virtual_sleep)
+    monkeypatch.setattr("genq.sim.scheduler.asyncio.sleep", virtual_sleep)
 
     async def latency(n: int) -> float:
         """n requests of 40 tokens sent together; they decode together and end at the same step."""

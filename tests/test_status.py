@@ -11,8 +11,8 @@ from rq.utils import utcformat
 from genq import datasets
 from genq.commands.status import status
 from genq.keys import Keys
+from genq.sim.model import generate
 from genq.token_counts import BUCKET_S
-from sim.model import generate
 from tests.helpers import (
     assert_adds_up,
     check_records,

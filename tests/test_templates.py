@@ -6,12 +6,12 @@ import pytest
 from rq import Queue
 
 from genq.keys import Keys
+from genq.producer import thinking
+from genq.sim.model import generate
 from genq.templates import ChatTemplate, TemplateError
-from producer import thinking
-from sim.model import generate
+from genq.worker.reasoning import split
 from tests.dataset_helpers import run_pipeline
 from tests.helpers import write_jsonl
-from worker.reasoning import split
 
 THREE_TURNS = [
     {"from": "human", "value": "What is the capital of France?"},

@@ -23,13 +23,13 @@ from genq.backends import Answer
 from genq.backends.base import AttemptError, Cost
 from genq.keys import Keys
 from genq.schema import KIND_ERROR, JobSpec, error_record
-from worker import metrics
-from worker.commits import GroupCommit
-from worker.concurrency import Concurrency
-from worker.config import WorkerConfig
-from worker.gate import ServerGate
-from worker.probation import Probation
-from worker.rq_worker import Bookkeeper, Finished, Taken
+from genq.worker import metrics
+from genq.worker.commits import GroupCommit
+from genq.worker.concurrency import Concurrency
+from genq.worker.config import WorkerConfig
+from genq.worker.gate import ServerGate
+from genq.worker.probation import Probation
+from genq.worker.rq_worker import Bookkeeper, Finished, Taken
 
 log = logging.getLogger("genq.worker")
 # How fast send_s follows the sends: each answer moves it a fifth of the way to its own duration.

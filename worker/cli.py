@@ -17,9 +17,9 @@ from genq.logs import logging_options, setup_logging
 from genq.metrics import metrics_options, serve
 from genq.redis_errors import fatal
 from genq.settings import DEFAULT_HEARTBEAT_TTL_S, option, redis_options
-from worker import metrics
-from worker.config import AUTO, ConcurrencyParam, WorkerConfig
-from worker.daemon import Worker
+from genq.worker import metrics
+from genq.worker.config import AUTO, ConcurrencyParam, WorkerConfig
+from genq.worker.daemon import Worker
 
 log = logging.getLogger("genq.worker")
 

@@ -21,7 +21,7 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 
-from worker.rq_worker import Finished
+from genq.worker.rq_worker import Finished
 
 LINGER_S = 0.025
 

@@ -40,7 +40,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from genq.backends.load import Load
-from worker.config import WorkerConfig
+from genq.worker.config import WorkerConfig
 
 STEER_EVERY_S = 1.0
 # While the slow start lasts: a short run must not wait seconds for the batch to fill (the server's

@@ -34,15 +34,15 @@ from genq.datasets import DatasetSettings
 from genq.keys import Keys
 from genq.redis_errors import Outage
 from genq.templates import TRUST_FLAG
-from worker import metrics
-from worker.attempts import Attempts
-from worker.background import keep_running
-from worker.commits import GroupCommit
-from worker.concurrency import Concurrency
-from worker.config import WorkerConfig
-from worker.gate import ServerGate
-from worker.rq_worker import Bookkeeper, Taken
-from worker.runner import JobRunner
+from genq.worker import metrics
+from genq.worker.attempts import Attempts
+from genq.worker.background import keep_running
+from genq.worker.commits import GroupCommit
+from genq.worker.concurrency import Concurrency
+from genq.worker.config import WorkerConfig
+from genq.worker.gate import ServerGate
+from genq.worker.rq_worker import Bookkeeper, Taken
+from genq.worker.runner import JobRunner
 
 log = logging.getLogger("genq.worker")
 T = TypeVar("T")

@@ -20,8 +20,8 @@ from genq import backends, backoff
 from genq.backends import Backend, Http, ServerInfo, ServerRefused
 from genq.backends.base import AttemptError
 from genq.terminal import duration
-from worker.config import WorkerConfig
-from worker.rq_worker import Bookkeeper
+from genq.worker.config import WorkerConfig
+from genq.worker.rq_worker import Bookkeeper
 
 log = logging.getLogger("genq.worker")
 HEALTH_EVERY_S = 10.0

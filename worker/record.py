@@ -8,7 +8,7 @@ from genq.backends import Answer
 from genq.logprobs import FILE as LOGPROBS_FILE
 from genq.openai_batch import RECORD_KEY as BATCH_KEY
 from genq.schema import SCHEMA_VERSION, JobSpec, now_iso
-from worker.reasoning import split
+from genq.worker.reasoning import split
 
 
 def build_record(

@@ -67,22 +67,25 @@ def executions_index(worker: str) -> str:
 # Returns {{queue index whose stream is full...}, {queue index, id, state, execution, crashes,
 # attempt, {data, result_ttl, meta}}...}: what the worker needs of the job (see started_job).
 TAKE = """
+local worker_key, crashes_hash, attempts_hash, worker_execs = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local FIRST_QUEUE = 5  -- KEYS from here, three a queue: the queue, its started registry, its stream
 local limit, want, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[7])
 local worker, stamp, ts, score = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6])
 local job_prefix, exec_prefix, execs_prefix, indexed = ARGV[8], ARGV[9], ARGV[10], ARGV[11] == '1'
 local full = {}
 local taken = {full}
 local n, last = 0, nil
-for q = 5, #KEYS, 3 do
+for q = FIRST_QUEUE, #KEYS, 3 do
+  local queue, started_registry, stream = KEYS[q], KEYS[q + 1], KEYS[q + 2]
   if n >= want then break end
-  if redis.call('XLEN', KEYS[q + 2]) >= limit then
+  if redis.call('XLEN', stream) >= limit then
     table.insert(full, q)
   else
     local started = {}
     while n < want do
-      local ids = redis.call('LPOP', KEYS[q], want - n)
+      local ids = redis.call('LPOP', queue, want - n)
       if not ids then break end
-      local crashes = redis.call('HMGET', KEYS[2], unpack(ids))
+      local crashes = redis.call('HMGET', crashes_hash, unpack(ids))
       for i, id in ipairs(ids) do
         local job = job_prefix .. id
         local f = redis.call('HMGET', job, 'status', 'data', 'result_ttl', 'meta')
@@ -97,7 +100,7 @@ for q = 5, #KEYS, 3 do
           redis.call('HSET', ekey, 'id', exec, 'created_at', ts, 'last_heartbeat', ts, 'worker_name', worker)
           if indexed then
             redis.call('HSET', ekey, 'job_id', id)
-            redis.call('SADD', KEYS[4], id .. ':' .. exec)
+            redis.call('SADD', worker_execs, id .. ':' .. exec)
           end
           redis.call('EXPIRE', ekey, ttl)
           redis.call('ZADD', execs_prefix .. id, score + ttl + 60, exec)
@@ -108,21 +111,21 @@ for q = 5, #KEYS, 3 do
             'worker_name', worker)
           local crashed = crashes[i] or '0'
           local attempt = 0
-          if crashed == '0' then attempt = redis.call('HINCRBY', KEYS[3], id, 1) end
+          if crashed == '0' then attempt = redis.call('HINCRBY', attempts_hash, id, 1) end
           table.insert(taken, {q, id, 'started', exec, crashed, attempt, {f[2], f[3], f[4]}})
           last = id
         end
       end
     end
-    if #started > 0 then redis.call('ZADD', KEYS[q + 1], unpack(started)) end
+    if #started > 0 then redis.call('ZADD', started_registry, unpack(started)) end
   end
 end
 if last then
-  redis.call('HSET', KEYS[1], 'state', 'busy')
+  redis.call('HSET', worker_key, 'state', 'busy')
   if indexed then
-    redis.call('EXPIRE', KEYS[4], ttl)  -- as the worker's heartbeat in prepare_job_execution (RQ 3)
+    redis.call('EXPIRE', worker_execs, ttl)  -- as the worker's heartbeat in prepare_job_execution (RQ 3)
   else
-    redis.call('HSET', KEYS[1], 'current_job', last)
+    redis.call('HSET', worker_key, 'current_job', last)
   end
 end
 return taken
@@ -288,21 +291,25 @@ def fail(pipe: Pipeline, worker: BaseWorker, job: Job, execution: Execution, exc
 # worker sends its next group only once the last one has landed (worker/commits.py). A command has
 # at most 2 × --max-concurrency + 2 words, under Lua's unpack limit (8,000).
 APPLY = """
-local token, n = ARGV[1], tonumber(ARGV[3])
-if redis.call('HGET', KEYS[1], 'token') == token then
-  return {1, redis.call('HGET', KEYS[1], 'attempts')}
+local last_commit, attempts_hash = KEYS[1], KEYS[2]
+local token, ttl, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local FIRST_CHARGE = 4  -- ARGV from here: the n jobs charged, then the commands
+if redis.call('HGET', last_commit, 'token') == token then
+  return {1, redis.call('HGET', last_commit, 'attempts')}
 end
 local attempts = {}
-for i = 4, 3 + n do table.insert(attempts, redis.call('HINCRBY', KEYS[2], ARGV[i], 1)) end
-local i = 4 + n
+for i = FIRST_CHARGE, FIRST_CHARGE + n - 1 do
+  table.insert(attempts, redis.call('HINCRBY', attempts_hash, ARGV[i], 1))
+end
+local i = FIRST_CHARGE + n
 while i <= #ARGV do
   local words = tonumber(ARGV[i])
   redis.call(unpack(ARGV, i + 1, i + words))
   i = i + 1 + words
 end
 local charged = table.concat(attempts, ',')
-redis.call('HSET', KEYS[1], 'token', token, 'attempts', charged)
-redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('HSET', last_commit, 'token', token, 'attempts', charged)
+redis.call('EXPIRE', last_commit, ttl)
 return {0, charged}
 """
 COMMITTED_TTL_S = 86_400  # past any Redis outage a worker rides out while resending its commit

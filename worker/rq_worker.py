@@ -42,7 +42,7 @@ from genq.keys import Keys
 from genq.queues import GenqJob, count_unfinished
 from genq.reaper import reap
 from genq.schema import KIND_ERROR, JobSpec, dumps, loads
-from worker import rq_batch
+from genq.worker import rq_batch
 
 log = logging.getLogger("genq.worker")
 # An execution not heartbeated for this part of its TTL is taken for lapsed (heartbeats run every

@@ -24,12 +24,12 @@ from genq.keys import Keys
 from genq.pieces import Progress
 from genq.schema import KIND_RECORD, JobSpec, now_iso
 from genq.templates import ChatTemplate, TemplateError
-from worker import metrics, pieces
-from worker.attempts import Attempts, Tries
-from worker.commits import GroupCommit
-from worker.config import WorkerConfig
-from worker.record import build_record
-from worker.rq_worker import Bookkeeper, Finished, Taken
+from genq.worker import metrics, pieces
+from genq.worker.attempts import Attempts, Tries
+from genq.worker.commits import GroupCommit
+from genq.worker.config import WorkerConfig
+from genq.worker.record import build_record
+from genq.worker.rq_worker import Bookkeeper, Finished, Taken
 
 log = logging.getLogger("genq.worker")
 

@@ -13,9 +13,9 @@ from genq import datasets, entries, failures, terminal
 from genq.commands.run_redis import out_option, redis_of, require_datasets
 from genq.connection import connect
 from genq.keys import Keys
+from genq.producer import extend
 from genq.schema import RAW
 from genq.settings import option, redis_options
-from producer import extend
 
 
 @click.command("failed")

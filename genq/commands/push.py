@@ -17,8 +17,8 @@ from pathlib import Path
 
 import click
 
-from collector import card
-from genq.schema import EXPORTS
+from genq.outputs import card
+from genq.schema import EXPORTS, shard_glob
 from genq.settings import option
 
 
@@ -31,7 +31,7 @@ def plan(folder: Path) -> list[Path]:
         stem = name.split(".")[0]
         if name.endswith(".jsonl") and (folder / name).is_file():
             files.append(folder / name)
-        files += sorted(folder.glob(f"{stem}-*-of-*.parquet"))
+        files += sorted(folder.glob(shard_glob(stem)))
     return files
 
 

@@ -33,13 +33,13 @@ from genq.commands.run_redis import record_namespace
 from genq.commands.status import totals, with_tokens
 from genq.connection import connect, redact, split_password
 from genq.keys import Keys, validate_name
+from genq.producer.cli import EXIT_REJECTED, enqueue_command  # `genq run` is the roles together, as genq is
 from genq.reaper import requeue_orphans
 from genq.redis_errors import Outage, patiently
 from genq.schema import REJECTS
 from genq.settings import DEFAULT_NAMESPACE, option, redis_options
 from genq.terminal import duration
-from producer.cli import EXIT_REJECTED, enqueue_command  # `genq run` is the roles together, as genq is
-from worker.config import AUTO, ConcurrencyParam
+from genq.worker.config import AUTO, ConcurrencyParam
 
 STOP_S = 30.0  # how long the workers may take to stop (their drain) before they are killed
 # The workers' --grace: in-flight generations finish within it, the rest go back to the queue, all

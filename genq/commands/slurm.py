@@ -368,7 +368,7 @@ def _group_gone(server: subprocess.Popen, timeout: float) -> bool:
 
 def _run_worker(args: list[str]) -> int:
     """`genq worker` in this process: it installs its own SIGTERM handler (the drain)."""
-    from worker.cli import worker_command
+    from genq.worker.cli import worker_command
 
     try:
         worker_command.main(args=args, prog_name="genq worker", standalone_mode=False)

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from genq import provenance
-from genq.schema import EXPORTS
+from genq.schema import EXPORTS, shard_glob
 
 FILE = "README.md"
 SIZES = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"))
@@ -36,8 +36,8 @@ def data_files(folder: Path) -> dict[str, str]:
         stem = name.split(".")[0]
         if (folder / name).is_file() and name.endswith(".jsonl"):
             found[fmt] = name
-        elif any(folder.glob(f"{stem}-*-of-*.parquet")):
-            found[fmt if fmt == "parquet" else f"{fmt}-parquet"] = f"{stem}-*-of-*.parquet"
+        elif any(folder.glob(shard_glob(stem))):
+            found[fmt if fmt == "parquet" else f"{fmt}-parquet"] = shard_glob(stem)
     return found
 
 

@@ -1,7 +1,7 @@
 """`genq report DIR`: one self-contained HTML page of a run, from the files alone (no Redis).
 
-The numbers are `genq stats`'s (collector/stats.py reads the files); this module only lays them
-out, with bar charts as inline SVG (collector/charts.py). Every string from the files is escaped:
+The numbers are `genq stats`'s (outputs/stats.py reads the files); this module only lays them
+out, with bar charts as inline SVG (outputs/charts.py). Every string from the files is escaped:
 they are untrusted (a prompt or a server's error message may hold markup). The page loads nothing
 (no script, no network; its Content-Security-Policy forbids both).
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import click
 
-from collector.charts import Bar, bar_chart
-from collector.stats import DatasetStats, folder_stats, percentiles
+from genq.outputs.charts import Bar, bar_chart
+from genq.outputs.stats import DatasetStats, folder_stats, percentiles
 from genq.schema import ERRORS, RAW
 from genq.settings import option
 

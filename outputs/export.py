@@ -36,9 +36,9 @@ from typing import Any
 import click
 import orjson
 
-from collector import card, parquet
-from collector.stats import percentiles
 from genq import datasets, openai_batch
+from genq.outputs import card, parquet
+from genq.outputs.stats import percentiles
 from genq.schema import ERRORS, EXPORTS, RAW
 from genq.settings import Refused, option
 from genq.templates import ChatTemplate, RemoteCodeRefused, TemplateError
@@ -86,7 +86,7 @@ def export_dataset(
     chat template that renders text-only records (a chat backend's) and conversations into ids for
     eagle3, loaded when a record first needs it (records with their ids need none). With
     ``shard_bytes`` (``parquet``, and eagle3 with --parquet) Parquet shards of about that size go
-    beside ``out``, named after its stem (collector/parquet.py)."""
+    beside ``out``, named after its stem (outputs/parquet.py)."""
     result = Exported(out)
     rows = _rows(raw, fmt, reasoning_content, include_truncated, template, result)
     if shard_bytes is not None:

@@ -19,6 +19,8 @@ from typing import Any
 
 import orjson
 
+from genq.schema import shard_glob, shard_name
+
 BATCH = 1000  # rows per row group
 
 # The record's fields (docs/design.md, Records) as columns; everything else goes to ``extra``.
@@ -111,11 +113,11 @@ def write(
     finally:
         if writer is not None:
             writer.close()
-    for old in folder.glob(f"{stem}-*-of-*.parquet"):
+    for old in folder.glob(shard_glob(stem)):
         old.unlink()
     done = []
     for k, part in enumerate(parts):
-        final = folder / f"{stem}-{k:05d}-of-{len(parts):05d}.parquet"
+        final = folder / shard_name(stem, k, len(parts))
         with part.open("rb") as fh:
             os.fsync(fh.fileno())
         os.replace(part, final)
