@@ -36,6 +36,100 @@ class Repo:
         return hashlib.sha1(repr(sorted(self.files.items())).encode()).hexdigest()
 
 
+class Handler(BaseHTTPRequestHandler):
+    """The Hub's routes genq push reaches; the Hub it serves is ``self.server.hub``."""
+
+    @property
+    def hub(self) -> Hub:
+        return self.server.hub  # type: ignore[attr-defined]
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.hub.requests.append(("GET", self.path, self.headers.get("Authorization")))
+        parts = self.path.split("?")[0].strip("/").split("/")
+        if parts[:2] == ["api", "datasets"] and len(parts) >= 6 and parts[4] == "revision":
+            repo = self.hub.repos.get(f"{parts[2]}/{parts[3]}")
+            if repo is None:
+                return self._json(404, {"error": "Repository not found"})
+            return self._json(200, {"id": f"{parts[2]}/{parts[3]}", "sha": repo.sha, "private": repo.private})
+        self._json(404, {"error": f"no route {self.path}"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.hub.requests.append(("POST", self.path, self.headers.get("Authorization")))
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        parts = self.path.split("?")[0].strip("/").split("/")
+        if parts == ["api", "repos", "create"]:
+            return self._create(json.loads(body))
+        if parts == ["api", "validate-yaml"]:
+            return self._validate(json.loads(body))
+        if parts[:2] == ["api", "datasets"] and len(parts) >= 6:
+            repo_id = f"{parts[2]}/{parts[3]}"
+            repo = self.hub.repos.get(repo_id)
+            if repo is None:
+                return self._json(404, {"error": "Repository not found"})
+            if parts[4] == "preupload":
+                return self._preupload(repo, json.loads(body))
+            if parts[4] == "commit":
+                return self._commit(repo_id, repo, body)
+        self._json(404, {"error": f"no route {self.path}"})
+
+    def _create(self, data: dict) -> None:
+        repo_id = f"{data['organization']}/{data['name']}"
+        if data.get("type") != "dataset":
+            return self._json(400, {"error": "genq pushes datasets only"})
+        if repo_id in self.hub.repos:  # the client reads the url even from this answer (create_repo)
+            url = f"{self.hub.url}/datasets/{repo_id}"
+            return self._json(409, {"error": "You already created this dataset repo", "url": url})
+        self.hub.repos[repo_id] = Repo(private=data.get("visibility") == "private")
+        self._json(200, {"url": f"{self.hub.url}/datasets/{repo_id}", "name": repo_id})
+
+    def _validate(self, data: dict) -> None:
+        content = data["content"]
+        if not content.startswith("---\n"):
+            return self._json(200, {"errors": [], "warnings": [{"message": "empty metadata"}]})
+        try:
+            yaml.safe_load(content.split("---\n")[1])
+        except yaml.YAMLError as exc:
+            return self._json(400, {"errors": [{"message": str(exc)}]})
+        self._json(200, {"errors": [], "warnings": []})
+
+    def _preupload(self, repo: Repo, data: dict) -> None:
+        files = [
+            {
+                "path": f["path"],
+                "uploadMode": "regular",
+                "shouldIgnore": False,
+                "oid": git_blob_id(repo.files[f["path"]]) if f["path"] in repo.files else None,
+            }
+            for f in data["files"]
+        ]
+        self._json(200, {"files": files, "commitOid": repo.sha})
+
+    def _commit(self, repo_id: str, repo: Repo, body: bytes) -> None:
+        if self.hub.refuse_commits:
+            return self._json(403, {"error": "You don't have the rights to write to this repo"})
+        sent = []
+        for line in body.splitlines():
+            entry = json.loads(line)
+            if entry["key"] == "file":
+                value = entry["value"]
+                repo.files[value["path"]] = base64.b64decode(value["content"])
+                sent.append(value["path"])
+        repo.commits.append(sent)
+        sha = repo.sha
+        self._json(200, {"commitUrl": f"{self.hub.url}/datasets/{repo_id}/commit/{sha}", "commitOid": sha})
+
+    def _json(self, status: int, data: Any) -> None:
+        raw = json.dumps(data).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+
 class Hub:
     """The stand-in, serving on 127.0.0.1 in a thread of the test process."""
 
@@ -43,98 +137,8 @@ class Hub:
         self.repos: dict[str, Repo] = {}
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Authorization)
         self.refuse_commits = False
-        hub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:  # quiet
-                pass
-
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                hub.requests.append(("GET", self.path, self.headers.get("Authorization")))
-                parts = self.path.split("?")[0].strip("/").split("/")
-                if parts[:2] == ["api", "datasets"] and len(parts) >= 6 and parts[4] == "revision":
-                    repo = hub.repos.get(f"{parts[2]}/{parts[3]}")
-                    if repo is None:
-                        return self._json(404, {"error": "Repository not found"})
-                    return self._json(
-                        200, {"id": f"{parts[2]}/{parts[3]}", "sha": repo.sha, "private": repo.private}
-                    )
-                self._json(404, {"error": f"no route {self.path}"})
-
-            def do_POST(self) -> None:  # noqa: N802
-                hub.requests.append(("POST", self.path, self.headers.get("Authorization")))
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                parts = self.path.split("?")[0].strip("/").split("/")
-                if parts == ["api", "repos", "create"]:
-                    return self._create(json.loads(body))
-                if parts == ["api", "validate-yaml"]:
-                    return self._validate(json.loads(body))
-                if parts[:2] == ["api", "datasets"] and len(parts) >= 6:
-                    repo_id = f"{parts[2]}/{parts[3]}"
-                    repo = hub.repos.get(repo_id)
-                    if repo is None:
-                        return self._json(404, {"error": "Repository not found"})
-                    if parts[4] == "preupload":
-                        return self._preupload(repo, json.loads(body))
-                    if parts[4] == "commit":
-                        return self._commit(repo_id, repo, body)
-                self._json(404, {"error": f"no route {self.path}"})
-
-            def _create(self, data: dict) -> None:
-                repo_id = f"{data['organization']}/{data['name']}"
-                if data.get("type") != "dataset":
-                    return self._json(400, {"error": "genq pushes datasets only"})
-                if repo_id in hub.repos:  # the client reads the url even from this answer (create_repo)
-                    url = f"{hub.url}/datasets/{repo_id}"
-                    return self._json(409, {"error": "You already created this dataset repo", "url": url})
-                hub.repos[repo_id] = Repo(private=data.get("visibility") == "private")
-                self._json(200, {"url": f"{hub.url}/datasets/{repo_id}", "name": repo_id})
-
-            def _validate(self, data: dict) -> None:
-                content = data["content"]
-                if not content.startswith("---\n"):
-                    return self._json(200, {"errors": [], "warnings": [{"message": "empty metadata"}]})
-                try:
-                    yaml.safe_load(content.split("---\n")[1])
-                except yaml.YAMLError as exc:
-                    return self._json(400, {"errors": [{"message": str(exc)}]})
-                self._json(200, {"errors": [], "warnings": []})
-
-            def _preupload(self, repo: Repo, data: dict) -> None:
-                files = [
-                    {
-                        "path": f["path"],
-                        "uploadMode": "regular",
-                        "shouldIgnore": False,
-                        "oid": git_blob_id(repo.files[f["path"]]) if f["path"] in repo.files else None,
-                    }
-                    for f in data["files"]
-                ]
-                self._json(200, {"files": files, "commitOid": repo.sha})
-
-            def _commit(self, repo_id: str, repo: Repo, body: bytes) -> None:
-                if hub.refuse_commits:
-                    return self._json(403, {"error": "You don't have the rights to write to this repo"})
-                sent = []
-                for line in body.splitlines():
-                    entry = json.loads(line)
-                    if entry["key"] == "file":
-                        value = entry["value"]
-                        repo.files[value["path"]] = base64.b64decode(value["content"])
-                        sent.append(value["path"])
-                repo.commits.append(sent)
-                sha = repo.sha
-                self._json(200, {"commitUrl": f"{hub.url}/datasets/{repo_id}/commit/{sha}", "commitOid": sha})
-
-            def _json(self, status: int, data: Any) -> None:
-                raw = json.dumps(data).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.hub = self  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 

@@ -141,7 +141,7 @@ def run_command(
     dataset,
     redis_url,
     namespace,
-    **_enqueue_options,
+    **enqueue_options,
 ):
     """Run FILES (files, dataset folders, globs) end to end on this machine; exit when every result is
     on disk.
@@ -160,123 +160,157 @@ def run_command(
     except sources.SourceError as exc:
         raise click.ClickException(str(exc)) from exc
     groups = [(dataset, paths)] if dataset else [(p.stem, [p]) for p in paths]
-    if _enqueue_options.get("dry_run"):  # what each enqueue would do; nothing is started
+    ctx = click.get_current_context()
+    if enqueue_options.get("dry_run"):  # what each enqueue would do; nothing is started
         for name, group in groups:
-            argv = genq_command(
-                "enqueue", *map(str, group), "--dataset", name, *enqueue_argv(click.get_current_context())
-            )
+            argv = genq_command("enqueue", *map(str, group), "--dataset", name, *enqueue_argv(ctx))
             if subprocess.run(argv).returncode not in (0, EXIT_REJECTED):
                 raise click.ClickException(f"the dry run of {name} failed (said above)")
         return
-    ctx = click.get_current_context()
-    source = ctx.get_parameter_source("redis_url")
-    embedded = source == click.core.ParameterSource.DEFAULT
+    embedded = ctx.get_parameter_source("redis_url") == click.core.ParameterSource.DEFAULT
     out.mkdir(parents=True, exist_ok=True)
     held = _hold(out)  # noqa: F841 - held for as long as this run lives
-    logs = out / ".logs"
-    logs.mkdir(exist_ok=True)
-    helpers: list[subprocess.Popen] = []  # the simulator, then the collector
-    pool: list[subprocess.Popen] = []  # the workers (one that dies is replaced in this list)
-    redis_server = EmbeddedRedis(out / ".redis", private=True) if embedded else None
+    run = Run(out, backend, namespace, enqueue_argv(ctx), embedded)
 
     def interrupted(signum, frame):
         raise Interrupted()
 
     signal.signal(signal.SIGTERM, interrupted)
     signal.signal(signal.SIGINT, interrupted)
-    started = time.monotonic()
     try:
-        if redis_server is not None:
-            redis_url = redis_server.start()
-            record_namespace(out, namespace)
-            env = _child_env(redis_url, namespace, redis_server.password_file)
-            conn = connect(redis_url, password=redis_server.password())
+        run.connect(redis_url, ctx.get_parameter_source("redis_url"))
+        run.env["GENQ_SERVER"] = run.simulator(sim_latency) if simulate else server  # out of argv
+        run.register(groups)
+        rejected = run.enqueue_all(groups)
+        trust = bool(enqueue_options.get("trust_remote_code"))
+        run.work(workers, concurrency, trust)
+        run.report(groups, rejected, bool(enqueue_options.get("allow_rejects")))
+    except Interrupted:
+        run.interrupted()
+    finally:
+        run.close()
+
+
+class Run:
+    """One `genq run`'s Redis and children, started in order and stopped in the reverse order."""
+
+    def __init__(self, out: Path, backend: str, namespace: str, forwarded: list[str], embedded: bool):
+        self.out, self.backend, self.namespace, self.forwarded = out, backend, namespace, forwarded
+        self.embedded = embedded
+        self.logs = out / ".logs"
+        self.logs.mkdir(exist_ok=True)
+        self.redis_server = EmbeddedRedis(out / ".redis", private=True) if embedded else None
+        self.helpers: list[subprocess.Popen] = []  # the simulator, then the collector
+        self.pool: list[subprocess.Popen] = []  # the workers (one that dies is replaced in this list)
+        self.env: dict[str, str] = {}
+        self.started = time.monotonic()
+        self.keys = Keys(namespace)
+
+    def connect(self, redis_url: str, source: click.core.ParameterSource | None) -> None:
+        """The private Redis started (or the given one reached), said in a line; jobs an earlier run
+        left started put back on their queues."""
+        if self.redis_server is not None:
+            redis_url = self.redis_server.start()
+            record_namespace(self.out, self.namespace)
+            self.env = _child_env(redis_url, self.namespace, self.redis_server.password_file)
+            self.conn = connect(redis_url, password=self.redis_server.password())
         else:
-            env = _child_env(redis_url, namespace)
-            conn = connect(redis_url)
-        keys = Keys(namespace)
+            self.env = _child_env(redis_url, self.namespace)
+            self.conn = connect(redis_url)
         where = {
-            click.core.ParameterSource.DEFAULT: f" (private, persisted in {out / '.redis'})",
+            click.core.ParameterSource.DEFAULT: f" (private, persisted in {self.out / '.redis'})",
             click.core.ParameterSource.ENVIRONMENT: " (from GENQ_REDIS_URL; unset it for a private one)",
         }.get(source, "")
         click.echo(f"genq run: Redis {redact(redis_url)}{where}", err=True)
-        if redis_server is not None:  # its port is new each run: `--out` finds it (run_redis.py)
-            ns = "" if namespace == DEFAULT_NAMESPACE else f" --namespace {namespace}"
-            click.echo(f"genq run: watch it with genq monitor --out {shlex.quote(str(out))}{ns}", err=True)
-        if embedded:
-            back = requeue_orphans(conn, keys)
+        if self.redis_server is not None:  # its port is new each run: `--out` finds it (run_redis.py)
+            ns = "" if self.namespace == DEFAULT_NAMESPACE else f" --namespace {self.namespace}"
+            click.echo(
+                f"genq run: watch it with genq monitor --out {shlex.quote(str(self.out))}{ns}", err=True
+            )
+        if self.embedded:
+            back = requeue_orphans(self.conn, self.keys)
             if back:
                 click.echo(
                     f"genq run: {back} jobs left started by an earlier run went back to their queues",
                     err=True,
                 )
-        if simulate:
-            sim = _start(
-                genq_command(
-                    "sim-server", "--port", "0", "--latency", sim_latency, "--api", _sim_api(backend)
-                ),
-                logs / "sim.log",
-                {},
-                stdout=subprocess.PIPE,
-            )
-            helpers.append(sim)
-            try:
-                ready = wait_for_line(sim, "sim-server listening on ", 30, logs / "sim.log")
-            except ChildFailed as exc:
-                raise click.ClickException(f"the simulator: {exc}") from exc
-            server = ready.rsplit(" ", 1)[1]
-        env["GENQ_SERVER"] = server  # the children's --server: a password in it stays out of argv
-        forwarded = enqueue_argv(ctx)
 
-        def enqueue(name: str, paths: list[Path], *extra: str) -> None:
-            argv = genq_command(
-                "enqueue",
-                *map(str, paths),
-                "--dataset",
-                name,
-                "--backend",
-                backend,
-                *forwarded,
-                *extra,
-            )
-            result = subprocess.run(argv, env={**os.environ, **env})
-            if result.returncode not in (0, EXIT_REJECTED):
-                raise click.ClickException(f"enqueue of {name} failed (exit {result.returncode})")
+    def simulator(self, latency: str) -> str:
+        """The bundled simulator of the backend's API, started; its URL."""
+        argv = genq_command(
+            "sim-server", "--port", "0", "--latency", latency, "--api", _sim_api(self.backend)
+        )
+        sim = _start(argv, self.logs / "sim.log", {}, stdout=subprocess.PIPE)
+        self.helpers.append(sim)
+        try:
+            ready = wait_for_line(sim, "sim-server listening on ", 30, self.logs / "sim.log")
+        except ChildFailed as exc:
+            raise click.ClickException(f"the simulator: {exc}") from exc
+        return ready.rsplit(" ", 1)[1]
 
+    def enqueue(self, name: str, paths: list[Path], *extra: str) -> None:
+        argv = genq_command(
+            "enqueue", *map(str, paths), "--dataset", name, "--backend", self.backend, *self.forwarded, *extra
+        )
+        result = subprocess.run(argv, env={**os.environ, **self.env})
+        if result.returncode not in (0, EXIT_REJECTED):
+            raise click.ClickException(f"enqueue of {name} failed (exit {result.returncode})")
+
+    def register(self, groups: list[tuple[str, list[Path]]]) -> None:
+        """Each dataset's settings recorded before the collector starts, so it marks what OUT already
+        holds for them (a resumed run on a fresh Redis) before the enqueue asks what is done."""
         for name, paths in groups:
             try:
                 validate_name(name)
             except ValueError as exc:
                 raise click.ClickException(f"{exc} (use --dataset NAME)") from exc
-            # Registered before the collector starts, so it marks what DIR already holds for
-            # them (a resumed run on a fresh Redis) before the enqueue asks what is done.
-            enqueue(name, paths, "--register-only")
-        collector = _start(genq_command("collect", "--out", str(out)), logs / "collector.log", env)
-        helpers.append(collector)
+            self.enqueue(name, paths, "--register-only")
+        self.collector = _start(
+            genq_command("collect", "--out", str(self.out)), self.logs / "collector.log", self.env
+        )
+        self.helpers.append(self.collector)
         for name, _ in groups:
-            _wait_ready(conn, keys, name, collector, 60)
+            _wait_ready(self.conn, self.keys, name, self.collector, 60)
+
+    def enqueue_all(self, groups: list[tuple[str, list[Path]]]) -> dict[str, int]:
+        """Every dataset enqueued, its rejected rows listed in OUT/<dataset>/rejected.jsonl; how many."""
         rejected: dict[str, int] = {}
         for name, paths in groups:
-            enqueue(name, paths, "--rejects", str(out / name / REJECTS))
-            rejected[name] = _lines_in(out / name / REJECTS)
+            self.enqueue(name, paths, "--rejects", str(self.out / name / REJECTS))
+            rejected[name] = _lines_in(self.out / name / REJECTS)
             if rejected[name]:
                 click.echo(
-                    f"genq run: {name}: {rejected[name]} rows rejected, listed in {out / name / REJECTS}; "
-                    "the other rows run",
+                    f"genq run: {name}: {rejected[name]} rows rejected, listed in "
+                    f"{self.out / name / REJECTS}; the other rows run",
                     err=True,
                 )
-        worker_argv = genq_command(
-            "worker", "--backend", backend, "--concurrency", str(concurrency), "--grace", str(WORKER_GRACE_S)
+        return rejected
+
+    def work(self, workers: int, concurrency: object, trust_remote_code: bool) -> None:
+        """The workers started and followed until every job is on disk, then stopped with the collector."""
+        argv = genq_command(
+            "worker",
+            "--backend",
+            self.backend,
+            "--concurrency",
+            str(concurrency),
+            "--grace",
+            str(WORKER_GRACE_S),
         )
-        if _enqueue_options.get("trust_remote_code"):  # the one consent, for enqueue and workers alike
-            worker_argv.append("--trust-remote-code")
-        pool.extend(_start(worker_argv, logs / f"worker-{i}.log", env) for i in range(workers))
-        _follow(conn, keys, pool, collector, worker_argv, logs, env)
-        stop(pool, 90)
-        stop([collector], 60)
+        if trust_remote_code:  # the one consent, for enqueue and workers alike
+            argv.append("--trust-remote-code")
+        self.pool.extend(_start(argv, self.logs / f"worker-{i}.log", self.env) for i in range(workers))
+        _follow(self.conn, self.keys, self.pool, self.collector, argv, self.logs, self.env)
+        stop(self.pool, 90)
+        stop([self.collector], 60)
+
+    def report(
+        self, groups: list[tuple[str, list[Path]]], rejected: dict[str, int], allow_rejects: bool
+    ) -> None:
+        """The audit (genq verify): every job of every dataset exactly once, on disk; the counts said
+        are its own, read off the files, not what Redis believes."""
+        conn, keys, out = self.conn, self.keys, self.out
         per_dataset = with_tokens(conn, keys, progress.dataset_counts(conn, keys), redis_time(conn))
-        # The audit (genq verify): every job of every dataset exactly once, on disk; the counts
-        # said are its own, read off the files, not what Redis believes.
         audits = [verify.audit(conn, keys, out, name, paths) for name, paths in groups]
         for result in audits:
             name, done, failed = result.dataset, result.states["done"], result.states["failed"]
@@ -284,10 +318,10 @@ def run_command(
             click.echo(f"{name}: {done} done, {failed} failed of {of} -> {out / name}")
         tokens = totals(per_dataset)["completion_tokens"]
         click.echo(
-            f"wall time {duration(time.monotonic() - started)}"
+            f"wall time {duration(time.monotonic() - self.started)}"
             + (f", {tokens:,} completion tokens" if tokens is not None else "")
             + f". Next: genq stats {out} · genq export {out} --format sharegpt · genq report {out}"
-            + (f" · genq status --out {out}" if embedded else "")
+            + (f" · genq status --out {out}" if self.embedded else "")
         )
         for result in audits:
             verify.print_audit(result)
@@ -296,36 +330,40 @@ def run_command(
         for name, n in rejected.items():
             if n:
                 click.echo(f"{name}: {n} rows rejected at enqueue -> {out / name / REJECTS}")
-        if any(rejected.values()) and not _enqueue_options.get("allow_rejects"):
+        if any(rejected.values()) and not allow_rejects:
             click.echo(
                 f"Error: rows were rejected (listed above); the rest ran. Fix them and run again, or pass "
                 f"--allow-rejects (exit {EXIT_REJECTED})",
                 err=True,
             )
             sys.exit(EXIT_REJECTED)
-    except Interrupted:
+
+    def interrupted(self) -> None:
+        """Ctrl-C (or SIGTERM): the workers drain while the simulator still answers and the collector
+        still writes; a second one stops everything at once. Exit 130."""
         click.echo(
             f"\ngenq run: interrupted: the generations in flight finish or go back to the queue (up to "
             f"{STOP_S:.0f} s); Ctrl-C again to stop now. Run the same command again to resume.",
             err=True,
         )
-        try:  # the workers drain while the simulator still answers and the collector still writes
-            stop(pool, STOP_S)
-            stop(helpers[::-1], STOP_S)
+        try:
+            stop(self.pool, STOP_S)
+            stop(self.helpers[::-1], STOP_S)
         except Interrupted:  # the second Ctrl-C: what is in flight runs again on resume
             click.echo("genq run: stopping now; the generations in flight run again on resume", err=True)
-            for proc in pool + helpers:
+            for proc in self.pool + self.helpers:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        if redis_server is not None:
-            redis_server.stop()
+        if self.redis_server is not None:
+            self.redis_server.stop()
         sys.exit(130)
-    finally:
-        stop(pool, STOP_S)
-        stop(helpers[::-1], STOP_S)
-        if redis_server is not None:
-            redis_server.stop()
+
+    def close(self) -> None:
+        stop(self.pool, STOP_S)
+        stop(self.helpers[::-1], STOP_S)
+        if self.redis_server is not None:
+            self.redis_server.stop()
 
 
 run_command.params.extend(ENQUEUE_PARAMS)
