@@ -10,6 +10,8 @@ and the server must have generated each drawn sample once."""
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
 import textwrap
 from collections import Counter
 
@@ -25,6 +27,7 @@ from genq.schema import record_id
 from tests.helpers import (
     assert_verified,
     check_settled,
+    genq_argv,
     log_of,
     read_jsonl,
     sigkill,
@@ -349,3 +352,42 @@ def test_a_checker_beside_the_users_own_checker_py_and_worker_py(
     assert counts["verdicts"] == {"accepted": 10, "rejected": 10}, counts
     accepted, others = outcome(out, "mine")
     assert sorted(r["row"] for r in accepted) == list(range(0, 20, 2))
+
+
+def test_genq_run_takes_the_check_stage_and_genq_check_attaches_to_its_folder(tmp_path):
+    """One command for a checked run: `genq run --accept K --max-samples M --check MOD:FN` starts the
+    checker beside the workers; every prompt ends as the checker implies. A checked dataset without
+    a checker (or a checker without one) is refused in one line before anything starts; `genq check
+    --out OUT` finds the run's private Redis again afterwards."""
+    (tmp_path / "user_checks.py").write_text(CHECKS)
+    rows, k, m = 40, 1, 3
+    data = tmp_path / "ran.jsonl"
+    write_prompts(data, rows)
+    out = tmp_path / "out"
+    env = {**{key: v for key, v in os.environ.items() if key != "GENQ_REDIS_URL"}}
+    base = [
+        *genq_argv("run", data, "--out", out, "--simulate", "--sim-latency", "zero"),
+        "--max-new-tokens",
+        "16",
+    ]
+    for flags, said in (
+        (("--accept", "1", "--max-samples", "3"), "needs this host's checker"),
+        (("--check", "user_checks:third"), "judge a checked dataset"),
+    ):
+        res = subprocess.run(
+            [*base, *flags], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+        )
+        assert res.returncode == 2 and said in res.stderr and "Traceback" not in res.stderr, res.stderr
+        assert not (out / ".redis").exists(), "something started before the refusal"
+    flags = ("--accept", str(k), "--max-samples", str(m), "--check", "user_checks:third")
+    res = subprocess.run([*base, *flags], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    accepted, others = outcome(out, "ran")
+    got = {row: (0, 0) for row in range(rows)}
+    for r in accepted + others:
+        drawn, ok = got[r["row"]]
+        got[r["row"]] = (drawn + 1, ok + (r["check"]["status"] == "accepted"))
+    assert got == expected("ran", rows, k, m)
+    attach = [*genq_argv("check", "--out", out, "--check", "user_checks:third", "--burst")]
+    res = subprocess.run(attach, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert res.returncode == 0 and "has ended" in res.stderr, res.stderr[-2000:]

@@ -21,7 +21,7 @@ ROLES = {
     "enqueue": "genq.producer.cli.enqueue_command",
     "worker": "genq.worker.cli.worker_command",
     "collect": "genq.collector.cli.collect_command",
-    "check": "genq.checker.cli.check_command",
+    "check": "genq.commands.check.check_command",
     "export": "genq.outputs.export.export_command",
     "stats": "genq.outputs.stats.stats_command",
     "report": "genq.outputs.report.report_command",

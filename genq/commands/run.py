@@ -25,6 +25,7 @@ import click
 
 from genq import progress, sources
 from genq.backends import NAMES
+from genq.checker.cli import check_command  # the check stage's own flags, forwarded as typed
 from genq.clock import redis_time
 from genq.commands import verify
 from genq.commands.embedded import EmbeddedRedis
@@ -66,11 +67,10 @@ _RUN_OWN = {
     "namespace",
     "register_only",  # run registers each dataset itself before its collector starts
     "rejects",  # run writes them to OUT/<dataset>/rejected.jsonl
-    # The check stage runs the host's own checker: `genq enqueue --checked`, `genq check` beside.
-    "checked",
-    "accept",
-    "max_samples",
 }
+# The check stage (enqueue --checked, --accept K --max-samples M): run starts `genq check` with the
+# checker this command line names, the running host's own consent (never Redis's).
+CHECK_FLAGS = ("target", "check_options", "check_cmd", "max_check_attempts")
 
 
 def _raw(param: click.Parameter) -> click.Parameter:
@@ -80,13 +80,14 @@ def _raw(param: click.Parameter) -> click.Parameter:
 
 
 ENQUEUE_PARAMS = [_raw(p) for p in enqueue_command.params if p.name not in _RUN_OWN]
+CHECK_PARAMS = [_raw(p) for p in check_command.params if p.name in CHECK_FLAGS]
 
 
-def enqueue_argv(ctx: click.Context) -> list[str]:
-    """The enqueue options given on run's command line, as enqueue flags (the ones from GENQ_*
-    variables reach the enqueue through the environment)."""
+def enqueue_argv(ctx: click.Context, params: list[click.Parameter] = ENQUEUE_PARAMS) -> list[str]:
+    """The options of ``params`` (enqueue's, by default; genq check's) given on run's command line,
+    as that command's flags (the ones from GENQ_* variables reach it through the environment)."""
     out: list[str] = []
-    for p in ENQUEUE_PARAMS:
+    for p in params:
         if ctx.get_parameter_source(p.name) != click.core.ParameterSource.COMMANDLINE:
             continue
         value = ctx.params[p.name]
@@ -161,6 +162,7 @@ def run_command(
         raise click.ClickException(str(exc)) from exc
     groups = [(dataset, paths)] if dataset else [(p.stem, [p]) for p in paths]
     ctx = click.get_current_context()
+    checking = _check_stage(ctx, enqueue_options)
     if enqueue_options.get("dry_run"):  # what each enqueue would do; nothing is started
         for name, group in groups:
             argv = genq_command("enqueue", *map(str, group), "--dataset", name, *enqueue_argv(ctx))
@@ -181,6 +183,8 @@ def run_command(
         run.connect(redis_url, ctx.get_parameter_source("redis_url"))
         run.env["GENQ_SERVER"] = run.simulator(sim_latency) if simulate else server  # out of argv
         run.register(groups)
+        if checking:
+            run.checker(enqueue_argv(ctx, CHECK_PARAMS))
         rejected = run.enqueue_all(groups)
         trust = bool(enqueue_options.get("trust_remote_code"))
         run.work(workers, concurrency, trust)
@@ -271,6 +275,12 @@ class Run:
         self.helpers.append(self.collector)
         for name, _ in groups:
             _wait_ready(self.conn, self.keys, name, self.collector, 60)
+
+    def checker(self, flags: list[str]) -> None:
+        """`genq check` with this command line's checker, beside the workers: a checked dataset's
+        endings are judged before the collector files them."""
+        proc = _start(genq_command("check", *flags), self.logs / "checker.log", self.env)
+        self.helpers.append(proc)
 
     def enqueue_all(self, groups: list[tuple[str, list[Path]]]) -> dict[str, int]:
         """Every dataset enqueued, its rejected rows listed in OUT/<dataset>/rejected.jsonl; how many."""
@@ -367,6 +377,25 @@ class Run:
 
 
 run_command.params.extend(ENQUEUE_PARAMS)
+run_command.params.extend(CHECK_PARAMS)
+
+
+def _check_stage(ctx: click.Context, options: dict) -> bool:
+    """Whether the datasets are checked (--checked, --accept), and then that the checker is named:
+    a checked dataset with nobody to judge it would never end, a checker with nothing to judge is
+    a mistake. Both said in one usage line."""
+    checked = bool(options.get("checked") or options.get("accept"))
+    named = bool(options.get("target") or options.get("check_cmd"))
+    if checked and not named:
+        raise click.UsageError(
+            "a checked dataset (--checked, --accept K) needs this host's checker: --check MODULE:FUNCTION "
+            "or --check-cmd CMD (genq run starts `genq check` with it)"
+        )
+    if named and not checked:
+        raise click.UsageError(
+            "--check and --check-cmd judge a checked dataset: add --checked (or --accept K --max-samples M)"
+        )
+    return checked
 
 
 def _hold(out: Path) -> IO:
