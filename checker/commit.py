@@ -62,7 +62,7 @@ if accept ~= '' then
     else
       redis.call('HINCRBY', draws, 'a' .. row, 1)
     end
-  elseif accepted < k and k + extra < m then
+  elseif status ~= 'check_failed' and accepted < k and k + extra < m then  -- a failed check is no rejection
     if tonumber(expected_extra) ~= extra then
       return {{'stale', extra}}
     end

@@ -14,6 +14,11 @@ verdict (checker/commit.py). It reads top to bottom like the worker's:
    under ``--accept`` its prompt draws the next sample as a rejection does).
 5. No reading of a dataset whose results stream holds ``--stream-limit`` entries: its collector
    is behind. ``--burst`` exits once no checked dataset has a job queued, running or unjudged.
+6. A checker that fails on FAILS_IN_A_ROW records of a dataset in a row, with no verdict between,
+   is broken, not the records: the dataset is held (said once; ``held`` in its verdicts hash, which
+   status shows): its endings wait unjudged, the tries on them given back, and one new ending is
+   tried now and then (HOLD_PROBE_S doubling); the first verdict lifts the hold. A check_failed
+   record draws no next sample (checker/commit.py): the checker's failure is no rejection.
 """
 
 from __future__ import annotations
@@ -48,6 +53,15 @@ OUTAGE_WAIT_S = 1.0  # between two tries of a Redis that does not answer
 IDLE_S = 0.5  # the wait while the namespace has no checked dataset
 CLAIM_AFTER_S = 30.0
 SETTINGS_EVERY_S = 2.0  # how often new datasets are looked for
+# Records of one dataset the checker failed on in a row, no verdict between: the checker is broken.
+# Three, as the worker's gate counts wrong answers: one or two are the records' own (a bad answer
+# the checker chokes on), a third with none judged between is a pattern.
+FAILS_IN_A_ROW = 3
+HOLD_PROBE_S, HOLD_PROBE_MAX_S = 5.0, 60.0  # between tries of a held dataset's checker, doubling
+
+
+class Held(Exception):
+    """The dataset's checker is held as broken: the ending waits, unjudged and not filed."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,10 @@ class CheckLoop:
         self._stopping = asyncio.Event()
         self._settings_at = self._claimed_at = -1e9
         self._touched_at = time.monotonic()
+        self._failing: dict[str, set[bytes]] = {}  # dataset -> endings failed on since its last verdict
+        self._held: dict[str, str] = {}  # dataset -> why its checker is held
+        self._probe: dict[str, tuple[float, float]] = {}  # held dataset -> (next try at, delay)
+        self._take_back: set[str] = set()  # datasets whose hold was lifted: their waiting endings
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -152,9 +170,19 @@ class CheckLoop:
             await asyncio.to_thread(self.conn.xclaim, stream, group, self.name, 0, ids, justid=True)
 
     def _read(self, count: int) -> list[tuple[str, bytes, dict]]:
-        """Endings to judge: first those a dead checker held (every CLAIM_EVERY_S), then new ones."""
-        names = [n for n in self.settings if self.conn.xlen(self.keys.results(n)) < self.config.stream_limit]
+        """Endings to judge: first those a dead checker held (every CLAIM_EVERY_S), then new ones;
+        of a held dataset, one new ending when its next try is due."""
+        open_ = [n for n in self.settings if self.conn.xlen(self.keys.results(n)) < self.config.stream_limit]
+        names = [n for n in open_ if n not in self._held]
         found: list[tuple[str, bytes, dict]] = []
+        for name in list(self._take_back):
+            found += self._waiting(name, count - len(found))
+        for name in (n for n in open_ if n in self._held and self._probe_due(n)):
+            # One ending to try the held checker on: one it left waiting, else a new one.
+            probe = self._waiting(name, 1, keep=True)
+            if not probe:
+                names.append(name)
+            found += probe
         if self._claim_due():
             for name in names:
                 answer = self.conn.xautoclaim(
@@ -185,6 +213,29 @@ class CheckLoop:
                 found += [(name, entry_id, fields) for entry_id, fields in entries]
         return found
 
+    def _waiting(self, name: str, count: int, keep: bool = False) -> list[tuple[str, bytes, dict]]:
+        """Up to ``count`` endings this checker left pending while the dataset was held, taken up at
+        once (not after CLAIM_AFTER_S idle, as a gone checker's are); once none is left, the
+        dataset's take-back is over (unless ``keep``: a probe's)."""
+        stream, group = self.keys.unchecked(name), self.keys.checkers_group
+        judging = {entry_id for n, entry_id in self._tasks.values() if n == name}
+        pending = self.conn.xpending_range(stream, group, "-", "+", 1000, consumername=self.name)
+        left = [p["message_id"] for p in pending if p["message_id"] not in judging]
+        ids = left[: max(0, count)]
+        if not keep and len(ids) == len(left):
+            self._take_back.discard(name)
+        if not ids:
+            return []
+        return [(name, i, f) for i, f in self.conn.xclaim(stream, group, self.name, 0, ids) if f]
+
+    def _probe_due(self, name: str) -> bool:
+        """A held dataset's next try of its checker is due, and none is under way."""
+        at, delay = self._probe[name]
+        if time.monotonic() < at or any(n == name for n, _ in self._tasks.values()):
+            return False
+        self._probe[name] = (time.monotonic() + delay, min(HOLD_PROBE_MAX_S, delay * 2))
+        return True
+
     def _claim_due(self) -> bool:
         now = time.monotonic()
         if now - self._claimed_at < CLAIM_EVERY_S:
@@ -195,6 +246,8 @@ class CheckLoop:
     async def _judge(self, name: str, entry_id: bytes, fields: dict) -> None:
         try:
             await self._judge_one(name, entry_id, fields)
+        except Held:
+            return  # pending in the group, its try given back: taken up once the hold is lifted
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             # Not filed: the ending stays pending, taken up again once idle (CLAIM_AFTER_S).
             log.warning(
@@ -239,9 +292,41 @@ class CheckLoop:
                 why = str(exc)
                 await asyncio.to_thread(self.conn.hincrby, self.keys.verdicts(name), "checker_errors", 1)
                 log.warning("%s: the checker failed on %s (try %d): %s", name, entry.record_id, tries, why)
+                if self._failed(name, entry_id, why):
+                    await asyncio.to_thread(self.conn.hincrby, self.keys.check_tries(name), entry_id, -1)
+                    raise Held(why) from exc
                 continue
+            await self._worked(name)
             status = "accepted" if verdict.accepted else "rejected"
             return status, {**verdict.to_json(), "checker": self.checker.identity}
+
+    def _failed(self, name: str, entry_id: bytes, why: str) -> bool:
+        """The checker failed on this ending: True when the dataset is (now) held as broken."""
+        if name in self._held:
+            return True
+        failing = self._failing.setdefault(name, set())
+        failing.add(entry_id)
+        if len(failing) < FAILS_IN_A_ROW:
+            return False
+        said = (
+            f"the checker {self.checker.identity} failed on {len(failing)} records in a row, none judged "
+            f"between (last: {why[:300]}): its records wait unjudged, one tried again now and then; "
+            "fix the checker (a new genq check takes them up at once)"
+        )
+        self._held[name] = said
+        self._probe[name] = (time.monotonic() + HOLD_PROBE_S, HOLD_PROBE_S * 2)
+        self.conn.hset(self.keys.verdicts(name), "held", said)
+        log.error("%s: %s", name, said)
+        return True
+
+    async def _worked(self, name: str) -> None:
+        """A verdict: the checker works on this dataset (again)."""
+        self._failing.pop(name, None)
+        if self._held.pop(name, None) is not None:
+            self._probe.pop(name, None)
+            self._take_back.add(name)
+            await asyncio.to_thread(self.conn.hdel, self.keys.verdicts(name), "held")
+            log.info("%s: the checker judges again: the hold is lifted", name)
 
     def _quarantine(self, name: str, entry_id: bytes, fields: dict, why: str) -> None:
         with self.conn.pipeline(transaction=True) as pipe:

@@ -98,6 +98,8 @@ def check_summary(raw: dict[bytes, bytes]) -> dict[str, Any]:
         "checker_errors": int(found.get("checker_errors", 0)),
         # Which checkers judged it (module and its file's hash, or the command), and how many each.
         "checkers": {k[3:][:300]: int(v) for k, v in found.items() if k.startswith("by:")},
+        # Why the check stage holds it (its checker failed on records in a row), None while it judges.
+        "held": found["held"].decode(errors="replace")[:1000] if found.get("held") else None,
     }
 
 

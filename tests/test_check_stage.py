@@ -22,6 +22,7 @@ import redis
 from rq import Queue
 
 from genq import progress
+from genq.checker.loop import FAILS_IN_A_ROW
 from genq.keys import Keys
 from genq.schema import record_id
 from tests.helpers import (
@@ -391,3 +392,74 @@ def test_genq_run_takes_the_check_stage_and_genq_check_attaches_to_its_folder(tm
     attach = [*genq_argv("check", "--out", out, "--check", "user_checks:third", "--burst")]
     res = subprocess.run(attach, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert res.returncode == 0 and "has ended" in res.stderr, res.stderr[-2000:]
+
+
+BROKEN_UNTIL_FIXED = textwrap.dedent(
+    """
+    import os
+    from user_checks import third
+
+    def judge(record):
+        if os.path.exists(os.environ["BROKEN_FLAG"]):
+            raise RuntimeError("no sandbox here")
+        return third(record)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_checker_that_fails_on_every_record_holds_its_dataset_and_draws_nothing(
+    procs, start_sim, out, tmp_path
+):
+    """A checker broken at first, then fixed: after FAILS_IN_A_ROW records failed in a row the
+    dataset is held (status says why), no sample beyond the first draw is generated meanwhile and
+    no record is filed check_failed but the few tried before the hold; once the checker works, the
+    waiting records are judged at once and every prompt ends as the fixed checker implies."""
+    (tmp_path / "user_checks.py").write_text(CHECKS)
+    (tmp_path / "broken_checks.py").write_text(BROKEN_UNTIL_FIXED)
+    flag = tmp_path / "broken"
+    flag.touch()
+    env = {"PYTHONPATH": str(tmp_path), "BROKEN_FLAG": str(flag)}
+    rows, k, m = 60, 1, 3
+    data = tmp_path / "held.jsonl"
+    write_prompts(data, rows)
+    url = start_sim("--latency", "zero")
+    assert (
+        procs.run("enqueue", data, "--max-new-tokens", "16", "--accept", k, "--max-samples", m).returncode
+        == 0
+    )
+    roles = [
+        procs.start("worker", "--server", url, "--concurrency", "16"),
+        procs.start("check", "--check", "broken_checks:judge", "--concurrency", "4", env=env),
+        procs.start("collect", "--out", out),
+    ]
+    said = "the check stage holds it"
+    wait_until(lambda: any(said in w for w in status_json(procs)["warnings"]), 60, "the dataset to be held")
+    wait_until(lambda: sim_stats(url)["generations"] >= rows + 1, 60, "the first draws generated")
+    first = sim_stats(url)["generations"]
+    filed_early = progress.check_counts(
+        redis.Redis.from_url(procs.env["GENQ_REDIS_URL"]), Keys(procs.env["GENQ_NAMESPACE"]), "held"
+    )
+    # Held a while (two tries of the checker at least): nothing drawn, nothing filed meanwhile.
+    log = roles[1]
+    wait_until(lambda: log_of(log).count("the checker failed on") >= 8, 60, "the held checker tried again")
+    assert sim_stats(url)["generations"] == first == rows + 1, "a sample was drawn while the checker failed"
+    assert set(filed_early) <= {"check_failed"} and filed_early.get("check_failed", 0) < FAILS_IN_A_ROW
+    flag.unlink()  # fixed
+    counts = check_settled(procs, "held", 120)
+    for proc in roles:
+        assert stop(proc, timeout=60) == 0, log_of(proc)
+    assert "the hold is lifted" in log_of(log), log_of(log)
+    assert not any(said in w for w in status_json(procs)["warnings"])
+    accepted, others = outcome(out, "held")
+    failed = {r["row"] for r in others if r["check"]["status"] == "check_failed"}
+    got = {row: (0, 0) for row in range(rows) if row not in failed}
+    for r in accepted + others:
+        if r["row"] in got:
+            drawn, ok = got[r["row"]]
+            got[r["row"]] = (drawn + 1, ok + (r["check"]["status"] == "accepted"))
+    assert got == {row: v for row, v in expected("held", rows, k, m).items() if row not in failed}
+    # A failed check draws nothing: those prompts end with their one sample, filed check_failed.
+    assert all(sum(1 for r in accepted + others if r["row"] == row) == 1 for row in failed)
+    assert counts["verdicts"].get("check_failed", 0) == len(failed) < FAILS_IN_A_ROW

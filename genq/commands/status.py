@@ -174,7 +174,7 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
         "probation_s": passing_s if suspects else None,
         "warnings": [
             *_refusing_writes(conn),
-            *warnings(settings, alive),
+            *warnings(settings, alive, per_dataset),
             *_models(conn, keys, list(per_dataset)),
             *filter(None, [probation_warning(suspects, passing_s)]),
             *_quarantined(keys, quarantined),
@@ -182,14 +182,24 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
     }
 
 
-def warnings(settings: dict[str, datasets.DatasetSettings], alive: list[dict[str, Any]]) -> list[str]:
+def warnings(
+    settings: dict[str, datasets.DatasetSettings],
+    alive: list[dict[str, Any]],
+    per_dataset: dict[str, dict[str, Any]],
+) -> list[str]:
     """What the numbers alone do not show: workers that take no jobs and why (a server down, or
-    answering wrongly), and samples that rely on seeds a server ignores."""
+    answering wrongly), datasets the check stage holds (their checker broken), and samples that
+    rely on seeds a server ignores."""
     ignoring = sorted({w["server"] or "?" for w in alive if w["seeds"] is False})
     out = [
         f"worker {w['name']} takes no jobs: {w['server'] or '?'} {w['held']}"
         for w in alive
         if w["alive"] and w["held"]
+    ]
+    out += [
+        f"{name}: the check stage holds it: {c['check']['held']}"
+        for name, c in per_dataset.items()
+        if c.get("check") and c["check"].get("held")
     ]
     for name, s in settings.items():
         if ignoring and ("sampling_seed" in s.sampling_params or s.samples > 1):
