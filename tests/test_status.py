@@ -204,14 +204,17 @@ def test_the_eta_waits_for_crash_suspects_to_pass_one_at_a_time(conn, namespace)
     conn.hset(keys.tokens("only"), mapping={"records": 50, "prompt_tokens": 500, "completion_tokens": 5000,
                                             "first_at": NOW - 100, "last_at": NOW - 1})  # fmt: skip
     conn.set(keys.rate_bucket("only", int((NOW - 50) // BUCKET_S)), 5000)
-    by_rate = status(conn, keys, now=NOW)["datasets"]["only"]["eta_s"]  # 50 left × 100 tokens / rate
-    assert by_rate is not None and by_rate < 600
+    # No worker alive: nothing is being made, so no ETA from the last minutes' rate, and a warning.
+    idle = status(conn, keys, now=NOW)
+    assert idle["datasets"]["only"]["eta_s"] is None and idle["totals"]["eta_s"] is None
+    assert "no worker alive: 50 jobs wait" in " ".join(idle["warnings"]), idle["warnings"]
     worker = f"{keys.worker_prefix}host.1.abc"
     conn.sadd("rq:workers", f"rq:worker:{worker}")
     beat = utcformat(dt.datetime.fromtimestamp(NOW - 1, dt.UTC))
-    conn.hset(
-        f"rq:worker:{worker}", mapping={"last_heartbeat": beat, "genq_suspects": 6, "genq_probation_s": 900}
-    )
+    conn.hset(f"rq:worker:{worker}", mapping={"last_heartbeat": beat})
+    by_rate = status(conn, keys, now=NOW)["datasets"]["only"]["eta_s"]  # 50 left × 100 tokens / rate
+    assert by_rate is not None and by_rate < 600
+    conn.hset(f"rq:worker:{worker}", mapping={"genq_suspects": 6, "genq_probation_s": 900})
     data = status(conn, keys, now=NOW)
     assert data["datasets"]["only"]["eta_s"] == data["totals"]["eta_s"] == 900.0
     for unknown in ("", "nan", "-5", "soon"):

@@ -55,9 +55,14 @@ def push_command(repo_id: str, folder: Path, dataset: str | None, private: bool,
     from huggingface_hub.errors import HfHubHTTPError
 
     names = sorted(p.parent.name for p in folder.glob(f"*/{card.FILE}"))
+    if not names and dataset is None:
+        raise click.ClickException(
+            f"{folder}: no dataset there has a card and exports to push: run `genq export {folder}` first"
+        )
     if dataset is None and len(names) != 1:
-        there = ", ".join(names) or "none"
-        raise click.UsageError(f"--dataset NAME: one dataset a repository (carded in {folder}: {there})")
+        raise click.UsageError(
+            f"--dataset NAME: one dataset a repository (carded in {folder}: {', '.join(names)})"
+        )
     files = plan(folder / (dataset or names[0]))
     operations = [CommitOperationAdd(path_in_repo=f.name, path_or_fileobj=str(f)) for f in files]
     for op in operations:

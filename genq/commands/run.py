@@ -484,7 +484,7 @@ def _follow(conn, keys: Keys, pool, collector, worker_argv, logs: Path, env) -> 
         )
         if view["tokens_per_s"]:
             line += f", {view['tokens_per_s']:,.0f} tok/s"
-        if view["eta_s"] and done + failed < total:
+        if view["eta_s"] and done + failed < total and rate > 0:  # at 0 jobs/s an ETA would be a guess
             line += f", ETA {duration(view['eta_s'])}"
         if tty:
             click.echo("\r" + line.ljust(100), nl=False, err=True)

@@ -163,6 +163,11 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
             per_dataset[name]["check"] = check_summary(raw)
     for name in per_dataset.keys() - set(checked):
         per_dataset[name]["check"] = None
+    idle = _no_worker_alive(alive, everything)
+    if idle:  # nothing is being made: an ETA from the last minutes' rate would be a promise
+        for counts in (everything, *per_dataset.values()):
+            if counts["eta_s"]:
+                counts["eta_s"] = None
     return {
         "namespace": keys.namespace,
         "datasets": per_dataset,
@@ -178,8 +183,17 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
             *_models(conn, keys, list(per_dataset)),
             *filter(None, [probation_warning(suspects, passing_s)]),
             *_quarantined(keys, quarantined),
+            *([idle] if idle else []),
         ],
     }
+
+
+def _no_worker_alive(alive: list[dict[str, Any]], everything: dict[str, Any]) -> str | None:
+    """A warning when jobs wait and no worker is alive to take them (no ETA then), else None."""
+    waiting = everything["total"] - everything["done"] - everything["failed"]
+    if waiting <= 0 or any(w["alive"] for w in alive):
+        return None
+    return f"no worker alive: {waiting:,} jobs wait (start `genq worker`; no ETA until one runs)"
 
 
 def warnings(

@@ -297,7 +297,9 @@ def _broken_extensions(path: Path, extended: set[int], index_of: Callable[[str],
     return broken
 
 
-def print_audit(result: Audit) -> None:
+def print_audit(result: Audit, reopened: bool = False) -> None:
+    """The audit in lines; ``reopened``: its missing jobs were just reopened (--repair), so it is
+    said what was found and done, not NOT OK."""
     states = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in result.states.items())
     click.echo(
         f"{result.dataset}: {result.expected:,} expected: {states}; rejected at enqueue {result.rejected:,}"
@@ -309,11 +311,12 @@ def print_audit(result: Audit) -> None:
     if result.missing:
         shown = ", ".join(result.missing[:EXAMPLES])
         click.echo(f"{result.dataset}: MISSING {len(result.missing):,} (e.g. {shown})", err=True)
-        click.echo(
-            f"{result.dataset}: put them back with: {result.repair}, then {result.command} (or the same "
-            "`genq run`) again",
-            err=True,
-        )
+        if not reopened:
+            click.echo(
+                f"{result.dataset}: put them back with: {result.repair}, then {result.command} (or the same "
+                "`genq run`) again",
+                err=True,
+            )
     if result.duplicated:
         shown = ", ".join(result.duplicated[:EXAMPLES])
         click.echo(f"{result.dataset}: DUPLICATED {len(result.duplicated):,} lines (e.g. {shown})", err=True)
@@ -329,7 +332,10 @@ def print_audit(result: Audit) -> None:
         click.echo(where, err=True)
     for where in result.unreadable[:EXAMPLES]:
         click.echo(f"{where}: a line without a record id of this dataset", err=True)
-    click.echo(f"{result.dataset}: {'OK' if result.ok else 'NOT OK'}")
+    if reopened and not result.duplicated and not result.unreadable:
+        click.echo(f"{result.dataset}: REPAIRED: the missing jobs are queued again (OK once they are made)")
+    else:
+        click.echo(f"{result.dataset}: {'OK' if result.ok else 'NOT OK'}")
 
 
 @click.command("verify")
@@ -390,7 +396,7 @@ def verify_command(
         click.echo(orjson.dumps([r.as_dict() for r in results], option=orjson.OPT_INDENT_2).decode())
     else:
         for result in results:
-            print_audit(result)
+            print_audit(result, result in reopened)
     for result in reopened:
         click.echo(
             f"{result.dataset}: reopened {len(result.missing):,} missing jobs; make them with the same `genq "
