@@ -100,14 +100,14 @@ def _file_rows(
             yield Row(record.where, row, prompt, raw=raw, mark=mark)
 
 
-def first_sampling(
+def first_row(
     paths: list[Path], shape: Shape, split: str | None = None, max_row_bytes: int = sources.MAX_ROW_BYTES
-) -> tuple[str, dict] | None:
-    """Where the dataset's first usable row is and its own sampling, when it carries some (an OpenAI
-    Batch request line): those become the dataset's settings. None when that row carries none."""
+) -> Row | None:
+    """The dataset's first usable row: its own sampling (an OpenAI Batch request line's) becomes the
+    dataset's settings, and what it is (ids, text, a conversation) tells what the settings can do."""
     for item in read_dataset(paths, shape, split, max_row_bytes=max_row_bytes):
         if isinstance(item, Row):
-            return (item.where, item.prompt.sampling) if item.prompt.sampling is not None else None
+            return item
     return None
 
 

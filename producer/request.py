@@ -25,7 +25,7 @@ from genq.producer import thinking
 from genq.producer.context import Limits
 from genq.producer.enqueue import Options
 from genq.producer.formats import CHAT_FORMATS, Shape
-from genq.producer.readers import first_sampling
+from genq.producer.readers import first_row
 from genq.sampling import Sampling, SamplingError
 from genq.sampling import check as check_sampling
 from genq.settings import Refused
@@ -281,11 +281,23 @@ class EnqueueRequest:
         )
         row_base = None
         try:
-            first = first_sampling(paths, shape, self.split, self.max_row_bytes)
+            first = first_row(paths, shape, self.split, self.max_row_bytes)
         except sources.SourceError as exc:
             raise click.ClickException(str(exc)) from exc
-        if first is not None:  # OpenAI Batch rows: the first one's sampling is the dataset's
-            row_base, params = params, self._rows_recipe(params, *first)
+        if (
+            first is not None and first.prompt.sampling is not None
+        ):  # OpenAI Batch: the row's is the dataset's
+            row_base, params = params, self._rows_recipe(params, first.where, first.prompt.sampling)
+        if (
+            first is not None
+            and self.continue_to is not None
+            and template is None
+            and first.prompt.input_ids is None
+        ):
+            raise click.UsageError(
+                f"--continue-to needs the prompts as token ids, and {first.where} is text: give --tokenizer "
+                "(or rows of input_ids); nothing was enqueued"
+            )
         samples, check = self.check_stage()
         kwargs = dict(self.chat_template_kwargs) if self.chat_template_kwargs else None
         options = Options(

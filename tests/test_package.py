@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,6 +15,11 @@ ROLES = ("producer", "worker", "collector", "checker", "outputs", "sim")
 def test_the_wheel_installs_one_name_holding_every_role(tmp_path):
     """The wheel's top_level.txt names genq alone, every file it installs is under genq/ (the roles'
     folders, linked into genq/ in the repository, are real files in it), and its scripts point there."""
+    # A copy of the sources (the links kept as links): building in place would leave build/ behind.
+    src = tmp_path / "src"
+    shutil.copytree(
+        ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(".*", "build", "out", "out-*", "*.egg-info")
+    )
     res = subprocess.run(
         [
             sys.executable,
@@ -24,7 +30,7 @@ def test_the_wheel_installs_one_name_holding_every_role(tmp_path):
             "--quiet",
             "--wheel-dir",
             str(tmp_path),
-            str(ROOT),
+            str(src),
         ],
         capture_output=True,
         text=True,

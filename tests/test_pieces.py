@@ -135,13 +135,26 @@ def test_continue_to_that_cannot_be_done_is_refused_in_one_line(procs, tmp_path,
     assert res.returncode == 2 and why in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
-def test_text_rows_cannot_continue_and_are_rejected_naming_the_row(procs, tmp_path):
+def test_text_rows_cannot_continue_refused_once_before_any_row(procs, tmp_path):
+    """--continue-to without a tokenizer over text rows cannot work: refused in one line naming the
+    first row, before anything is read or recorded. A text row among id rows is that row's reject."""
     data = tmp_path / "text.jsonl"
-    data.write_text('{"prompt": "hello there"}\n{"input_ids": [5, 6, 7]}\n')
-    res = procs.run("enqueue", data, "--max-new-tokens", "16", "--continue-to", "64", "--allow-rejects")
+    data.write_text('{"prompt": "hello there"}\n' * 200 + '{"input_ids": [5, 6, 7]}\n')
+    res = procs.run("enqueue", data, "--max-new-tokens", "16", "--continue-to", "64")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    (line,) = [
+        x for x in res.stderr.splitlines() if x.strip() and not x.startswith("Usage") and "--help" not in x
+    ]
+    assert "--continue-to needs the prompts as token ids, and " in line and "text.jsonl:1 is text" in line, (
+        line
+    )
+    assert "text" not in status_json(procs)["datasets"], "settings recorded for a refused enqueue"
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"input_ids": [5, 6, 7]}\n{"prompt": "hello there"}\n')
+    res = procs.run("enqueue", mixed, "--max-new-tokens", "16", "--continue-to", "64", "--allow-rejects")
     assert res.returncode == 0, res.stderr
-    assert "text.jsonl:1:" in res.stderr and "--continue-to needs the prompt as token ids" in res.stderr
-    assert status_json(procs)["datasets"]["text"]["total"] == 1
+    assert "mixed.jsonl:2:" in res.stderr and "--continue-to needs the prompt as token ids" in res.stderr
+    assert status_json(procs)["datasets"]["mixed"]["total"] == 1
 
 
 @pytest.mark.timeout(600)  # in `make test-quick` too: the pieces' kill test
