@@ -39,7 +39,7 @@ import orjson
 from genq import datasets, openai_batch
 from genq.outputs import card, parquet
 from genq.outputs.stats import percentiles
-from genq.schema import ERRORS, EXPORTS, RAW
+from genq.schema import ERRORS, EXPORTS, RAW, REJECTED_SAMPLES
 from genq.settings import Refused, option
 from genq.templates import ChatTemplate, RemoteCodeRefused, TemplateError
 
@@ -476,6 +476,8 @@ def export_command(
         raise click.ClickException(str(exc)) from exc
     present = sorted(p.parent.name for p in out_dir.glob(f"*/{RAW}"))
     names = [dataset] if dataset else present
+    if not dataset:
+        _say_nothing_recorded(out_dir, present)
     if not names:
         raise click.ClickException(f"{out_dir}: no <dataset>/{RAW} in it")
     empty = []  # datasets whose every record was left out: nothing to train on is a failure
@@ -516,3 +518,16 @@ def export_command(
         raise click.ClickException(
             f"nothing exported from {', '.join(empty)}: every record was left out, for the reasons above"
         )
+
+
+def _say_nothing_recorded(out_dir: Path, present: list[str]) -> None:
+    """A dataset folder with files but no record to export (a checked dataset nothing of which was
+    accepted, one whose every job failed): said, not skipped without a word."""
+    for folder in sorted(p for p in out_dir.iterdir() if p.is_dir() and p.name not in present):
+        held = [name for name in (REJECTED_SAMPLES, ERRORS) if (folder / name).is_file()]
+        if held:
+            click.echo(
+                f"{folder.name}: nothing to export: no {RAW} (no record accepted or made); its lines are in "
+                f"{', '.join(held)}",
+                err=True,
+            )

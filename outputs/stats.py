@@ -493,6 +493,8 @@ def stats_command(folder: Path, as_json: bool) -> None:
             details.append(f"errors: {_pairs(d['errors'])}")
         if d["ledger"]:
             details.append(f"ledger: {_pairs(d['ledger'])}")
+        if d["check"]:
+            details.append(_check_line(d["check"]))
         console.print(f"[bold]{name}[/bold]  " + " · ".join(details), highlight=False, soft_wrap=True)
         if d["unrecognized"]["lines"]:
             console.print(
@@ -501,6 +503,18 @@ def stats_command(folder: Path, as_json: bool) -> None:
             )
             for example in d["unrecognized"]["examples"]:
                 console.print(f"    {example}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _check_line(check: dict[str, Any]) -> str:
+    """The check stage in words: verdicts, samples a prompt, and under --accept how many reached K."""
+    line = f"check: {_pairs(check['verdicts'])}, {check['samples_per_prompt']} samples a prompt"
+    if "accept" in check:
+        line += (
+            f", {check['prompts_with_k']:,} of {check['prompts']:,} prompts with {check['accept']} accepted "
+            f"(of at most {check['max_samples']} samples), {check['short_of_k']:,} short after "
+            f"{check['max_samples']}"
+        )
+    return line
 
 
 def _pairs(counts: dict[str, int]) -> str:

@@ -216,3 +216,24 @@ def test_eagle3_of_text_prompts_encodes_them_as_the_server_did(procs, tmp_path, 
     assert exported["input_ids"] == ids + [5, 6, 7]
     assert exported["loss_mask"] == [0] * len(ids) + [1, 1, 1]
     assert "not the server's tokenizer" in res.stderr, res.stderr
+
+
+def test_a_dataset_with_nothing_to_export_is_said_and_stats_shows_the_check_stage(procs, tmp_path):
+    """A checked dataset whose every sample was rejected has no raw_responses.jsonl: export says so
+    in a line instead of passing over it, and `genq stats` shows the check stage's counts in text."""
+    out = tmp_path / "out"
+    for name in ("ok", "none"):
+        (out / name).mkdir(parents=True)
+    record = {"dataset": "ok", "row": 0, "sample": 0, "output_ids": [5, 6], "prompt_tokens": 3,
+              "completion_tokens": 2, "finish_reason": "stop", "text": "hi", "schema": 1}  # fmt: skip
+    write_jsonl(out / "ok" / "raw_responses.jsonl", [{**record, "id": "ok-0"}])
+    rejected = {**record, "dataset": "none", "id": "none-0", "check": {"status": "rejected", "reason": "no"}}
+    write_jsonl(out / "none" / "rejected_samples.jsonl", [rejected])
+    res = procs.run("export", out, "--format", "parquet")
+    assert res.returncode == 0, res.stderr
+    assert (
+        "none: nothing to export: no raw_responses.jsonl" in res.stderr
+        and "rejected_samples.jsonl" in res.stderr
+    )
+    stats = procs.run("stats", out)
+    assert stats.returncode == 0 and "check: rejected 1" in stats.stdout, stats.stdout
