@@ -48,7 +48,8 @@ class PythonChecker(Checker):
 
     def __init__(self, target: str, option_pairs: list[str], slots: int) -> None:
         self.argv = [sys.executable, "-P", "-m", "genq.checker.host", target, *option_pairs]
-        self.identity = f"{target} {module_digest(target)}"
+        # What judged: the function, its module file's hash and its options (part of the judgement).
+        self.identity = " ".join([target, module_digest(target), *option_pairs])
         self._idle: asyncio.Queue[_Host | None] = asyncio.Queue()
         for _ in range(slots):
             self._idle.put_nowait(None)  # a slot whose process starts on first use

@@ -153,6 +153,9 @@ def test_a_python_checker_is_identified_by_its_modules_content(checks, tmp_path)
     first = PythonChecker("user_checks:third", [], slots=1).identity
     (tmp_path / "user_checks.py").write_text(CHECKS + "\n# changed\n")
     assert PythonChecker("user_checks:third", [], slots=1).identity != first
+    # Its options are part of what judged: they go with the identity.
+    with_option = PythonChecker("user_checks:third", ["salt=7"], slots=1).identity
+    assert with_option.endswith(" salt=7") and with_option.startswith("user_checks:third sha256:")
     with pytest.raises(CheckerError, match="no module"):
         PythonChecker("no_such_checks:third", [], slots=1)
 
