@@ -127,3 +127,16 @@ def test_monitor_says_redis_is_unreachable_and_quits_cleanly_on_ctrl_c(procs):
         os.close(master)
     assert proc.returncode == 0, f"exit {proc.returncode} on Ctrl-C: {text[-3000:]}"
     assert "Traceback" not in text and "s3cret" not in text, text[-3000:]
+
+
+def test_a_worker_over_its_target_is_explained():
+    """48 in flight for a target of 32: the monitor says why (the target was lowered, the jobs in
+    flight finish), not only the two numbers."""
+    from genq.commands.monitor import workers_table
+
+    worker = {"host": "h", "pid": 1, "slurm_job": None, "server": "http://s:1", "retrying": 0, "done": 9,
+              "failed": 0, "heartbeat_age_s": 1.0, "alive": True}  # fmt: skip
+    over = workers_table({"workers": [{**worker, "in_flight": 48, "target": 32}]})
+    assert "lowered its target" in str(over.caption), over.caption
+    under = workers_table({"workers": [{**worker, "in_flight": 20, "target": 32}]})
+    assert under.caption is None

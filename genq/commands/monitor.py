@@ -184,6 +184,11 @@ def workers_table(data: dict[str, Any]) -> RenderableType:
         )
     if len(workers) > MAX_WORKER_ROWS:
         table.add_row(f"... {len(workers) - MAX_WORKER_ROWS} more", "", "", "", "", "", "")
+    if any((w["in_flight"] or 0) > w["target"] for w in workers if w.get("target") is not None):
+        table.caption = (
+            "flight over its target (e.g. 48/32): the worker lowered its target as the server's load asked "
+            "(--concurrency auto) and lets the jobs already in flight finish"
+        )
     return table
 
 
