@@ -201,7 +201,8 @@ def test_the_server_killed_and_stopped_mid_run(procs, sglang, sglang_install, st
     python, model = sglang_install
     server = sglang_server(python, model, tmp_path / "sglang.log", *started)
     server.start()
-    prompts = hf_prompts(400, seed=1)
+    # Issue #52's run: 400 prompts without the tokenizer; with it, the 240 this test always ran.
+    prompts = hf_prompts(400 if started else 240, seed=1)
     data = write_ids(tmp_path / "kills.jsonl", prompts)
     flags = ("--concurrency", "8", "--request-timeout", "4", "--max-attempts", "20", "--heartbeat-ttl", "5")
     try:
@@ -215,11 +216,11 @@ def test_the_server_killed_and_stopped_mid_run(procs, sglang, sglang_install, st
         def at(n: int) -> None:
             wait_for_records(procs, "kills", n, 120, in_flight=True)
 
-        at(60)
+        at(len(prompts) // 6)
         server.kill()  # every request in flight is dropped
         wait_until(lambda: "looks down" in log_of(worker), 60, "the worker to notice")
         server.start()
-        at(180)
+        at(len(prompts) // 2)
         server.signal(signal.SIGSTOP)  # every request in flight hangs past its 4 s deadline
         wait_until(lambda: "failed: timeout" in log_of(worker), 60, "a request to time out")
         time.sleep(2)
