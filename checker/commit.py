@@ -25,7 +25,7 @@ from rq import Queue
 
 from genq import rq_jobs
 from genq.datasets import DatasetSettings
-from genq.entries import ENTRY_DATA, ENTRY_ID, ENTRY_KIND, ENTRY_LOGPROBS, ENTRY_VERDICT, Entry
+from genq.entries import ENTRY_DATA, ENTRY_ID, ENTRY_KIND, ENTRY_LOGPROBS, ENTRY_SPEC, ENTRY_VERDICT, Entry
 from genq.keys import Keys
 from genq.queues import rq_queue
 from genq.schema import JobSpec, bit_index, dumps, record_id
@@ -35,12 +35,14 @@ VERDICT = f"""
 local unchecked, results, checked, draws = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local in_check, in_stream, check_tries, enqueued = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local queue, queues, new_job_key, verdicts = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
+local check_failed = KEYS[13]
 local group, entry_id, dataset, index, row = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local accept, most, status = ARGV[6], ARGV[7], ARGV[8]  -- accept '': no redraws
 local verdict_json, kind, record_id, data = ARGV[9], ARGV[10], ARGV[11], ARGV[12]
 local logprobs, expected_extra = ARGV[13], ARGV[14]  -- logprobs '': none
 local new_job_id, new_index, seconds = ARGV[15], ARGV[16], ARGV[17]  -- new_job_id '': no draw
-local NEW_JOB_FIELDS = 18  -- ARGV from here on: the new job's hash as field, value pairs
+local spec = ARGV[18]  -- the job's payload as the ending carried it ('': none)
+local NEW_JOB_FIELDS = 19  -- ARGV from here on: the new job's hash as field, value pairs
 
 local function acknowledge()
   redis.call('XACK', unchecked, group, entry_id)
@@ -88,6 +90,19 @@ if logprobs ~= '' then
   entry[#entry + 1] = logprobs
 end
 redis.call('XADD', results, '*', unpack(entry))
+if status == 'check_failed' then  -- kept as it came, for genq failed and genq retry --check-failed
+  local kept = {{'{ENTRY_KIND}', kind, '{ENTRY_ID}', record_id, '{ENTRY_DATA}', data,
+                '{ENTRY_VERDICT}', cjson.encode(verdict)}}
+  if logprobs ~= '' then
+    kept[#kept + 1] = '{ENTRY_LOGPROBS}'
+    kept[#kept + 1] = logprobs
+  end
+  if spec ~= '' then
+    kept[#kept + 1] = '{ENTRY_SPEC}'
+    kept[#kept + 1] = spec
+  end
+  redis.call('XADD', check_failed, '*', unpack(kept))
+end
 redis.call('HINCRBY', verdicts, status, 1)
 if type(verdict['checker']) == 'string' then
   redis.call('HINCRBY', verdicts, 'by:' .. verdict['checker'], 1)
@@ -127,10 +142,12 @@ class VerdictCommit:
         status: str,
         verdict: dict[str, Any],
         seconds: float = 0.0,
+        spec_raw: bytes | None = None,
     ) -> Applied:
         """File ``entry`` with ``verdict`` (``status``: accepted, rejected, check_failed, unjudged);
         ``spec`` is the job's payload, from which the next sample is drawn (None: no draw);
-        ``seconds``: the checker's time on it, summed per dataset for the views."""
+        ``seconds``: the checker's time on it, summed per dataset for the views; ``spec_raw``: the
+        payload as the ending carried it, kept with a check_failed ending to judge it again."""
         name, row = settings.name, entry.data["row"]
         accept = settings.check.get("accept")
         queue = self._queue(name)
@@ -147,8 +164,16 @@ class VerdictCommit:
             extra = int(self.conn.hget(self.keys.draws(name), f"d{row}") or 0)
             draw = self._draw(settings, spec, queue, extra) if accept and spec is not None else None
             job_key = draw[0] if draw else self.keys.draws(name)  # a key the script leaves alone
-            tail = [extra, *(draw[1:3] if draw else ("", "")), seconds, *(draw[3] if draw else ())]
-            found = self._script(keys=[*keys, job_key, k.verdicts(name)], args=[*head, *tail])
+            tail = [
+                extra,
+                *(draw[1:3] if draw else ("", "")),
+                seconds,
+                spec_raw or b"",
+                *(draw[3] if draw else ()),
+            ]
+            found = self._script(
+                keys=[*keys, job_key, k.verdicts(name), k.check_failed(name)], args=[*head, *tail]
+            )
             status_now, drew = found[0].decode(), bool(found[1])
             if status_now != "stale":
                 return Applied(status_now, drew)

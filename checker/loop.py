@@ -14,10 +14,11 @@ verdict (checker/commit.py). It reads top to bottom like the worker's:
    under ``--accept`` its prompt draws the next sample as a rejection does).
 5. No reading of a dataset whose results stream holds ``--stream-limit`` entries: its collector
    is behind. ``--burst`` exits once no checked dataset has a job queued, running or unjudged.
-6. A checker that fails on FAILS_IN_A_ROW records of a dataset in a row, with no verdict between,
-   is broken, not the records: the dataset is held (said once; ``held`` in its verdicts hash, which
-   status shows): its endings wait unjudged, the tries on them given back, and one new ending is
-   tried now and then (HOLD_PROBE_S doubling); the first verdict lifts the hold. A check_failed
+6. A checker that fails on FAILS_IN_A_ROW records of a dataset in a row, each tried after the
+   dataset's last verdict, is broken, not the records: the dataset is held (said once; ``held`` in
+   its verdicts hash, which status shows): its endings wait unjudged, the tries on them given back,
+   and one is tried now and then (HOLD_PROBE_S doubling; the one tried least, so one bad record
+   cannot keep the hold); the first verdict lifts the hold. A check_failed
    record draws no next sample (checker/commit.py): the checker's failure is no rejection.
 """
 
@@ -34,7 +35,7 @@ from typing import Any
 
 import redis
 
-from genq import datasets
+from genq import datasets, provenance
 from genq.checker.commit import VerdictCommit
 from genq.checker.runner import Checker, CheckerError
 from genq.entries import ENTRY_SPEC, BadEntry, Entry, quarantine, read_entry
@@ -53,9 +54,12 @@ OUTAGE_WAIT_S = 1.0  # between two tries of a Redis that does not answer
 IDLE_S = 0.5  # the wait while the namespace has no checked dataset
 CLAIM_AFTER_S = 30.0
 SETTINGS_EVERY_S = 2.0  # how often new datasets are looked for
-# Records of one dataset the checker failed on in a row, no verdict between: the checker is broken.
-# Three, as the worker's gate counts wrong answers: one or two are the records' own (a bad answer
-# the checker chokes on), a third with none judged between is a pattern.
+# Records of one dataset the checker failed on in a row, each tried after the dataset's last verdict:
+# the checker is broken. Three, as the worker's gate counts wrong answers: one or two are the
+# records' own (a bad answer the checker chokes on), a third with none judged between is a pattern.
+# A try begun before the last verdict is no evidence (the checker worked since it began): without
+# that rule, records it hangs on, started together, time out together and hold a working checker
+# (CI, tests/test_check_stage.py: 3 of 16 started at once hung on, 20 % of records failing).
 FAILS_IN_A_ROW = 3
 HOLD_PROBE_S, HOLD_PROBE_MAX_S = 5.0, 60.0  # between tries of a held dataset's checker, doubling
 
@@ -86,6 +90,7 @@ class CheckLoop:
         self._settings_at = self._claimed_at = -1e9
         self._touched_at = time.monotonic()
         self._failing: dict[str, set[bytes]] = {}  # dataset -> endings failed on since its last verdict
+        self._verdict_at: dict[str, float] = {}  # dataset -> when its checker last gave a verdict
         self._held: dict[str, str] = {}  # dataset -> why its checker is held
         self._probe: dict[str, tuple[float, float]] = {}  # held dataset -> (next try at, delay)
         self._take_back: set[str] = set()  # datasets whose hold was lifted: their waiting endings
@@ -136,6 +141,8 @@ class CheckLoop:
         self.settings = wanted
 
     def _group(self, name: str) -> None:
+        """Take a dataset: join its checkers' group, and record this command as its checker's."""
+        provenance.record_command(self.conn, self.keys, name, "check")
         try:
             self.conn.xgroup_create(
                 self.keys.unchecked(name), self.keys.checkers_group, id="0", mkstream=True
@@ -178,7 +185,7 @@ class CheckLoop:
         for name in list(self._take_back):
             found += self._waiting(name, count - len(found))
         for name in (n for n in open_ if n in self._held and self._probe_due(n)):
-            # One ending to try the held checker on: one it left waiting, else a new one.
+            # One ending to try the held checker on: one it left waiting (tried least), else a new one.
             probe = self._waiting(name, 1, keep=True)
             if not probe:
                 names.append(name)
@@ -220,6 +227,8 @@ class CheckLoop:
         stream, group = self.keys.unchecked(name), self.keys.checkers_group
         judging = {entry_id for n, entry_id in self._tasks.values() if n == name}
         pending = self.conn.xpending_range(stream, group, "-", "+", 1000, consumername=self.name)
+        if keep:  # a probe: the ending tried least, so a record the checker always fails on is not
+            pending = sorted(pending, key=lambda p: p["times_delivered"])  # the only one ever tried
         left = [p["message_id"] for p in pending if p["message_id"] not in judging]
         ids = left[: max(0, count)]
         if not keep and len(ids) == len(left):
@@ -268,7 +277,7 @@ class CheckLoop:
         else:
             status, verdict = await self._verdict(name, entry_id, entry)
         seconds = time.monotonic() - started
-        args = (settings, entry_id, entry, spec, status, verdict, seconds)
+        args = (settings, entry_id, entry, spec, status, verdict, seconds, fields.get(ENTRY_SPEC.encode()))
         applied = await asyncio.to_thread(self.commit.apply, *args)
         self.judged[applied.status] = self.judged.get(applied.status, 0) + 1
 
@@ -286,13 +295,14 @@ class CheckLoop:
                     "reason": why,
                     "checker": self.checker.identity,
                 }
+            begun = time.monotonic()
             try:
                 verdict = await self.checker.check(entry.data, self.config.timeout)
             except CheckerError as exc:
                 why = str(exc)
                 await asyncio.to_thread(self.conn.hincrby, self.keys.verdicts(name), "checker_errors", 1)
                 log.warning("%s: the checker failed on %s (try %d): %s", name, entry.record_id, tries, why)
-                if self._failed(name, entry_id, why):
+                if self._failed(name, entry_id, why, begun):
                     await asyncio.to_thread(self.conn.hincrby, self.keys.check_tries(name), entry_id, -1)
                     raise Held(why) from exc
                 continue
@@ -300,10 +310,13 @@ class CheckLoop:
             status = "accepted" if verdict.accepted else "rejected"
             return status, {**verdict.to_json(), "checker": self.checker.identity}
 
-    def _failed(self, name: str, entry_id: bytes, why: str) -> bool:
-        """The checker failed on this ending: True when the dataset is (now) held as broken."""
+    def _failed(self, name: str, entry_id: bytes, why: str, begun: float) -> bool:
+        """The checker failed on this ending (its try begun at ``begun``): True when the dataset is
+        (now) held as broken."""
         if name in self._held:
             return True
+        if begun < self._verdict_at.get(name, -1e18):
+            return False  # a verdict came while it was tried: the checker works, the record is at fault
         failing = self._failing.setdefault(name, set())
         failing.add(entry_id)
         if len(failing) < FAILS_IN_A_ROW:
@@ -322,6 +335,7 @@ class CheckLoop:
     async def _worked(self, name: str) -> None:
         """A verdict: the checker works on this dataset (again)."""
         self._failing.pop(name, None)
+        self._verdict_at[name] = time.monotonic()
         if self._held.pop(name, None) is not None:
             self._probe.pop(name, None)
             self._take_back.add(name)

@@ -36,6 +36,7 @@ from genq.schema import (
     bit_index,
     extends,
     parse_record_id,
+    rejudged,
 )
 
 log = logging.getLogger("genq.collector")
@@ -210,6 +211,9 @@ class Reconciler:
             if kind == KIND_RECORD and extends(obj) is not None:
                 if index in counted or is_set(extending, index):
                     uncounted.append(obj)
+                    extended.append(index)
+            elif kind == KIND_RECORD and rejudged(obj) is not None:  # its tokens were counted before
+                if is_set(extending, index):
                     extended.append(index)
             elif kind == KIND_RECORD and not is_set(done, index) and index not in seen:
                 uncounted.append(obj)

@@ -36,7 +36,7 @@ from genq.logprobs import FILE as LOGPROBS
 from genq.logprobs import check as check_frame
 from genq.logprobs import without_frame
 from genq.queues import count_unfinished, rq_queue
-from genq.schema import ERRORS, KIND_ERROR, KIND_RECORD, RAW, REJECTED_SAMPLES, bit_index, extends
+from genq.schema import ERRORS, KIND_ERROR, KIND_RECORD, RAW, REJECTED_SAMPLES, bit_index, supersedes
 
 log = logging.getLogger("genq.collector")
 
@@ -513,7 +513,8 @@ class Collector:
                 if (name, index) in seen:
                     duplicates += 1
                     continue
-                extension = done and extending and extends(item.data) is not None
+                # An extension (retry --truncated) or a record judged again (retry --check-failed).
+                extension = done and extending and supersedes(item.data)
                 if extension:
                     seen.add((name, index))
                     extended.setdefault(name, []).append(index)

@@ -16,6 +16,9 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``ds:<name>:verdicts``     hash   status (accepted, rejected, surplus, check_failed, unjudged) -> endings
                                     the check stage filed so
 - ``ds:<name>:check_tries``  hash   unchecked entry id -> times a checker took it up (bounded)
+- ``ds:<name>:check_failed`` stream the endings filed ``check_failed``, as they came to the check stage
+                                    (kind, id, data, lp, spec) with their verdict: `genq failed` lists
+                                    them, `genq retry --check-failed` sends them to be judged again
 - ``dead:<name>``            stream entries of its stream that were not a worker's (genq/entries.py): their
                                     fields (cut), why, when; ``quarantined`` hash: dataset -> how many ever
 - ``in_source``              hash   dataset -> jobs not enqueued yet, still in its files (``enqueue
@@ -41,7 +44,10 @@ Like RQ's own registries these are plain Redis structures, readable with redis-c
 - ``ds:<name>:provenance``   hash   the last enqueue's command line (secrets redacted), host, time, and
                                     the rows it refused by reason (JSON)
 - ``ds:<name>:tokens``       hash   records, prompt_tokens, completion_tokens of the records on disk (set
-                                    in the MULTI that marks them done), live_tokens, first_at, last_at
+                                    in the MULTI that marks them done), cut (records the server
+                                    capped below the max_new_tokens asked: status says ``capped``),
+                                    cached_tokens, cached_records, length, continued, live_tokens,
+                                    first_at, last_at
 - ``ds:<name>:rate:<n>``     string completion tokens written to disk in the n-th 10 s bucket (expires in 1 h)
 - ``collector:offsets``      hash   file -> byte offset up to which its ids are marked in the bitmaps
 - ``collector:lease:<name>`` string the collector holding the dataset (its stream and its files)
@@ -143,6 +149,9 @@ class Keys:
 
     def verdicts(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:verdicts"
+
+    def check_failed(self, dataset: str) -> str:
+        return f"{self.prefix}ds:{dataset}:check_failed"
 
     def check_tries(self, dataset: str) -> str:
         return f"{self.prefix}ds:{dataset}:check_tries"
@@ -279,5 +288,6 @@ class Keys:
                 self.extending(name): "string", self.servers(name): "hash", self.provenance(name): "hash",
                 self.unchecked(name): "stream", self.checked(name): "string", self.draws(name): "hash",
                 self.check_tries(name): "hash", self.verdicts(name): "hash",
+                self.check_failed(name): "stream",
             })  # fmt: skip
         return shared

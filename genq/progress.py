@@ -77,9 +77,9 @@ VERDICT_COUNTS = ("accepted", "rejected", "surplus", "check_failed", "unjudged")
 
 def check_counts(conn: redis.Redis, keys: Keys, name: str) -> dict[str, int]:
     """A checked dataset's endings the check stage filed, by status (accepted, rejected, surplus,
-    check_failed, unjudged)."""
+    check_failed, unjudged; none at 0: one judged again leaves check_failed so)."""
     found = conn.hgetall(keys.verdicts(name))
-    return {s.decode(): int(n) for s, n in found.items() if s.decode() in VERDICT_COUNTS}
+    return {s.decode(): int(n) for s, n in found.items() if s.decode() in VERDICT_COUNTS and int(n)}
 
 
 def check_summary(raw: dict[bytes, bytes]) -> dict[str, Any]:
@@ -151,6 +151,13 @@ def stream_lag(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[
         "collector": distinct[0] if len(distinct) == 1 and all(holders.values()) else None,
         "collectors": holders,
     }
+
+
+def collector_holds(conn: redis.Redis, keys: Keys, name: str) -> bool:
+    """A collector holds the dataset and has reconciled Redis with its files on disk: only then is
+    an enqueue's 'already done' complete (a resumed run on a fresh Redis)."""
+    lease, ready = conn.mget(keys.collector_lease(name), keys.collector_ready(name))
+    return bool(lease) and lease == ready
 
 
 def finished(counts: dict[str, dict[str, int]]) -> bool:

@@ -12,6 +12,9 @@ restart; `genq export` puts it in the dataset card, `genq status` warns when two
 from __future__ import annotations
 
 import os
+import shlex
+import socket
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -22,6 +25,7 @@ import redis
 
 from genq import __version__, datasets, progress, token_counts
 from genq.bitmaps import is_set
+from genq.connection import redact
 from genq.keys import Keys
 from genq.schema import bit_index, dumps, loads, now_iso
 
@@ -29,6 +33,58 @@ FILE = "provenance.json"
 # The field of a dataset's provenance hash where enqueue keeps its rejects by reason (JSON).
 REJECTS_FIELD = "rejected_by_reason"
 SERVER_FIELDS = ("backend", "version", "model", "context_length", "worker", "at")
+# The commands that made a dataset, each one's line, host and time in its provenance hash: the
+# last enqueue, the last `genq run` of it, and the last `genq check` to take it.
+COMMANDS = {
+    "enqueue": ("enqueue_command", "enqueue_host", "enqueued_at"),
+    "run": ("run_command", "run_host", "run_at"),
+    "check": ("check_command", "check_host", "check_at"),
+}
+
+
+# The field of a dataset's provenance hash where an enqueue with --limit N keeps N (the rows after
+# it not read yet, not missing); an enqueue that read every row deletes it.
+LIMIT_FIELD = "limited_to"
+
+
+def record_limit(conn: redis.Redis, keys: Keys, dataset: str, rows: int | None) -> None:
+    """The rows the last enqueue read when it stopped at --limit (None: it read them all)."""
+    if rows is None:
+        conn.hdel(keys.provenance(dataset), LIMIT_FIELD)
+    else:
+        conn.hset(keys.provenance(dataset), LIMIT_FIELD, rows)
+
+
+def limited_to(conn: redis.Redis, keys: Keys, dataset: str) -> int | None:
+    """The rows the last enqueue read when it stopped at --limit (Redis content: a count or None)."""
+    raw = conn.hget(keys.provenance(dataset), LIMIT_FIELD)
+    return int(raw) if raw is not None and raw.isdigit() else None
+
+
+def record_command(conn: redis.Redis, keys: Keys, dataset: str, role: str) -> None:
+    """This process's command line as the one that did ``role`` for ``dataset`` (URLs' passwords
+    redacted; secrets are never in argv), with the host and the time: the card says how to make
+    the dataset again from these."""
+    program = Path(sys.argv[0]).name
+    argv = ["genq" if program == "__main__.py" else program, *sys.argv[1:]]  # python -m genq: genq
+    line, host, at = COMMANDS[role]
+    command = shlex.join(map(_redacted, argv))
+    conn.hset(keys.provenance(dataset), mapping={line: command, host: socket.gethostname(), at: now_iso()})
+
+
+def _redacted(arg: str) -> str:
+    """An argument with the password of a URL in it (``URL`` or ``--flag=URL``) replaced."""
+    flag, eq, value = arg.partition("=") if arg.startswith("-") else ("", "", arg)
+    return flag + eq + (redact(value) if "://" in value else value)
+
+
+def commands(raw: dict[str, str]) -> dict[str, dict[str, str]]:
+    """The commands recorded in a provenance hash (decoded), by role: ``command``, ``host``, ``at``."""
+    found = {}
+    for role, fields in COMMANDS.items():
+        if fields[0] in raw:
+            found[role] = {k: raw.get(f, "") for k, f in zip(("command", "host", "at"), fields, strict=True)}
+    return found
 
 
 def servers(raw: dict[bytes, bytes]) -> dict[str, dict[str, Any]]:
@@ -129,11 +185,13 @@ def build(
         }
     times = {k.decode(): v.decode() for k, v in tokens_raw.items() if k in (b"first_at", b"last_at")}
     enqueue = {k.decode(errors="replace"): v for k, v in enqueue_raw.items()}
+    decoded = {k: v.decode(errors="replace") for k, v in enqueue.items() if k != REJECTS_FIELD}
     return {
         "dataset": name,
         "genq_version": __version__,
         "settings": asdict(settings),
-        "enqueue": {k: v.decode(errors="replace") for k, v in sorted(enqueue.items()) if k != REJECTS_FIELD},
+        "enqueue": {k: v for k, v in sorted(decoded.items()) if k in COMMANDS["enqueue"]},
+        "commands": commands(decoded),
         "servers": served,
         "models": sorted({str(s["model"]) for s in served.values() if s.get("model")}),
         "warnings": [warning] if warning else [],

@@ -191,10 +191,31 @@ def extends(record: dict[str, Any]) -> int | None:
     ``length`` from their stored output, and the collector appends each longer record to the same
     raw file, after the one it extends, with ``extends`` set. An id's record is its last line in the
     file; every earlier one is superseded (exports, stats and verify count the last), and a line
-    that extends one begins with the output of the one before it (`genq verify` checks it).
+    that extends one begins with the output of the one before it (`genq verify` checks it). A
+    record judged again (:func:`rejudged`) supersedes the same way.
     """
     value = record.get("extends")
     return value if type(value) is int and value >= 0 else None
+
+
+REJUDGED = "rejudged"  # the key of a record judged again (genq retry --check-failed): how many times
+
+
+def rejudged(record: dict[str, Any]) -> int | None:
+    """How many times this record was sent to be judged again, or None: it was judged once.
+
+    A record the checker failed on is filed ``check_failed`` (in rejected_samples.jsonl); `genq
+    retry --check-failed` sends it back to the check stage unchanged but for this count, and the
+    collector appends it with its new verdict, to raw_responses.jsonl or rejected_samples.jsonl:
+    it supersedes the id's earlier line (the supersede rule), its output and tokens the same.
+    """
+    value = record.get(REJUDGED)
+    return value if type(value) is int and value >= 1 else None
+
+
+def supersedes(record: dict[str, Any]) -> bool:
+    """The record takes the place of its id's earlier line (an extension, or judged again)."""
+    return extends(record) is not None or rejudged(record) is not None
 
 
 def now_iso() -> str:

@@ -15,7 +15,8 @@ scanner so line numbers stay exact, then decoded by orjson; an element past ``ma
 skipped by a string- and bracket-aware scan that keeps one chunk; or JSON Lines when the file does
 not start with ``[``); Parquet (``pyarrow``, in record batches); a folder: a Hugging Face
 dataset saved with ``save_to_disk`` (memory-mapped) or a local dataset folder (``datasets``,
-streamed, offline).
+streamed, offline); a Hugging Face dataset id (``owner/name``, with ``--config``/``--split``),
+read through ``datasets`` as ``load_dataset`` gives it: from its local cache when offline.
 
 It sits in the contract, not in producer/, because two floors read sources: `genq enqueue` numbers
 rows from them and `genq verify` counts the same rows the same way, so the two can never disagree
@@ -48,6 +49,16 @@ class SourceError(Exception):
     """A source that cannot be read (further): the message names the file and why."""
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+class HubDataset(type(Path())):  # type: ignore[misc]
+    """A dataset named by its Hugging Face id: no file, but a source everywhere a path is one (its
+    name is the dataset's default name, its string the id), read through ``datasets``."""
+
+    config: str | None = None
+
+
 @dataclass
 class Record:
     where: str  # "path:LINE" or "path:row N"
@@ -56,8 +67,9 @@ class Record:
     raw: bytes | None = None  # the bytes it was parsed from (JSON Lines, arrays): its print, its reject line
 
 
-def expand(specs: list[str]) -> list[Path]:
-    """FILE arguments to sources, in order: files, folders, and globs (each glob's matches sorted)."""
+def expand(specs: list[str], config: str | None = None) -> list[Path]:
+    """FILE arguments to sources, in order: files, folders, globs (each glob's matches sorted), and
+    Hugging Face dataset ids (``owner/name`` that is no path here; ``config``: its configuration)."""
     out: list[Path] = []
     for spec in specs:
         path = Path(spec)
@@ -70,7 +82,14 @@ def expand(specs: list[str]) -> list[Path]:
                 raise SourceError(f"{spec}: the pattern matches no file")
             out.extend(matches)
             continue
-        raise SourceError(f"{spec}: no such file or folder")
+        if HUB_ID.fullmatch(spec):
+            hub = HubDataset(spec)
+            hub.config = config
+            out.append(hub)
+            continue
+        raise SourceError(f"{spec}: no such file or folder (nor a Hugging Face dataset id, owner/name)")
+    if config is not None and not any(isinstance(p, HubDataset) for p in out):
+        raise SourceError(f"--config {config}: the configuration of a Hugging Face dataset id (owner/name)")
     for path in out:
         if path.is_file() and path.suffix.lower() not in SUFFIXES:
             raise SourceError(f"{path}: unknown file type {path.suffix!r} (known: {', '.join(SUFFIXES)})")
@@ -79,7 +98,7 @@ def expand(specs: list[str]) -> list[Path]:
 
 def read(path: Path, split: str | None = None, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[Record]:
     """Every record of one source, streamed."""
-    if path.is_dir():
+    if isinstance(path, HubDataset) or path.is_dir():
         return _hf_records(path, split)
     suffix = path.suffix.lower()
     if suffix == ".parquet":
@@ -92,7 +111,7 @@ def read(path: Path, split: str | None = None, max_row_bytes: int = MAX_ROW_BYTE
 def count(path: Path, split: str | None = None, max_row_bytes: int = MAX_ROW_BYTES) -> int:
     """How many records ``read`` yields, as cheaply as the kind allows (Parquet and saved
     datasets from their metadata, JSON Lines by counting non-blank lines)."""
-    if path.is_dir():
+    if isinstance(path, HubDataset) or path.is_dir():
         return _hf_count(path, split)
     suffix = path.suffix.lower()
     if suffix == ".parquet":
@@ -395,21 +414,32 @@ def _parquet_records(path: Path) -> Iterator[Record]:
 
 
 def _hf_dataset(path: Path, split: str | None) -> Any:
-    """A dataset saved with ``save_to_disk`` (memory-mapped), else a local dataset folder, streamed."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """A dataset saved with ``save_to_disk`` (memory-mapped), else a local dataset folder, streamed;
+    or a dataset id as ``load_dataset`` gives it (its prepared cache, memory-mapped)."""
+    hub = isinstance(path, HubDataset)
+    if not hub:  # a folder is read here, never fetched (an id is the user's own ask to)
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import datasets
     except ImportError as exc:
-        raise SourceError(f"{path}: reading a dataset folder needs datasets: {INSTALL_HINT}") from exc
+        raise SourceError(f"{path}: reading a Hugging Face dataset needs datasets: {INSTALL_HINT}") from exc
 
-    saved = (path / "state.json").exists() or (path / "dataset_dict.json").exists()
+    saved = not hub and ((path / "state.json").exists() or (path / "dataset_dict.json").exists())
     try:
-        if saved:
+        if hub:
+            data = datasets.load_dataset(str(path), path.config)  # type: ignore[attr-defined]
+        elif saved:
             data = datasets.load_from_disk(str(path))
         else:
             data = datasets.load_dataset(str(path), streaming=True)
     except Exception as exc:  # datasets raises many kinds for a folder it cannot read
+        if hub:
+            raise SourceError(
+                f"{path}: no such file or folder, and not a Hugging Face dataset datasets can load here "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); offline, it loads "
+                "only once cached: load it once online (or give its files)"
+            ) from exc
         raise SourceError(f"{path}: not a Hugging Face dataset folder that loads offline: {exc}") from exc
     if isinstance(data, datasets.DatasetDict | datasets.IterableDatasetDict):
         names = list(data)

@@ -188,6 +188,12 @@ class ChatTemplate:
         the tokenizer folder or smuggle a ``chat_template`` in through the kwargs; or if this
         host's copy of the tokenizer renders with another template than enqueue's did (its code
         too). Code runs only with this host's ``trust_remote_code``, whatever Redis says."""
+        cls.check_spec(spec, prompting)
+        return cls.load_spec(spec, trust_remote_code)
+
+    @staticmethod
+    def check_spec(spec: dict[str, Any], prompting: dict[str, Any]) -> None:
+        """TemplateError unless ``spec`` is the template its dataset's settings recorded."""
         recorded = {
             "tokenizer": prompting.get("tokenizer"),
             "kwargs": prompting.get("chat_template_kwargs") or {},
@@ -197,6 +203,11 @@ class ChatTemplate:
             raise TemplateError(
                 f"the job's chat template {spec} is not the one its dataset recorded {recorded}"
             )
+
+    @classmethod
+    def load_spec(cls, spec: dict[str, Any], trust_remote_code: bool = False) -> ChatTemplate:
+        """The template of a ``spec`` checked with :meth:`check_spec`, loaded here; TemplateError if
+        this host's copy renders with another template (or code) than enqueue's did."""
         template = cls(spec["tokenizer"], spec.get("kwargs"), trust_remote_code)
         if template.fingerprint != spec.get("fingerprint"):
             what = "chat template and code" if template.code else "chat template"

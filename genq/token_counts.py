@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from genq.keys import Keys
-from genq.schema import cut_short, extends
+from genq.schema import cut_short, extends, rejudged
 
 BUCKET_S = 10
 KEEP_S = 3600
@@ -34,7 +34,8 @@ def add(pipe, keys: Keys, dataset: str, records: list[dict], now: float | None, 
     ``now`` (Redis time) puts their completion tokens in the recent-rate bucket; ``live`` says they
     were written while the run went on (not found on disk at start-up), for the since-start rate.
     """
-    records = [r for r in records if countable(r)]
+    # A record judged again (genq retry --check-failed) is the same output, counted already.
+    records = [r for r in records if countable(r) and rejudged(r) is None]
     if not records:
         return
     # An extension (genq retry --truncated) supersedes a record counted already: only the tokens it adds.
@@ -67,6 +68,30 @@ def add(pipe, keys: Keys, dataset: str, records: list[dict], now: float | None, 
         pipe.expire(bucket, KEEP_S)
 
 
+# The counters that describe the records on disk (not the rates): what recount() derives anew.
+ON_DISK = (
+    "records",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "cached_records",
+    "cut",
+    "length",
+    "continued",
+)
+
+
+def recount(pipe, keys: Keys, dataset: str, lines: list[dict]) -> None:
+    """The counters of the records on disk derived anew from their files' lines in file order (an
+    extension after the record it extends, as the collector counted them): after `genq verify
+    --repair` reopened lost records, the counters no longer describe the files until this runs."""
+    pipe.hdel(keys.tokens(dataset), *ON_DISK)
+    add(pipe, keys, dataset, lines, None, live=False)
+    pipe.hsetnx(keys.tokens(dataset), "records", 0)  # a hash that counts nothing still says so
+    for name in ("length", "continued"):
+        pipe.hsetnx(keys.tokens(dataset), name, 0)
+
+
 def window_buckets(now: float) -> list[int]:
     """The buckets of the recent-rate window ending at ``now`` (the current one included)."""
     last = int(now // BUCKET_S)
@@ -82,7 +107,7 @@ class Tokens:
     completion_tokens: int | None
     tokens_per_s: float | None  # recent, over WINDOW_S
     tokens_per_s_since_start: float | None
-    cut: int | None = None  # records the server stopped below the max_new_tokens asked for
+    capped: int | None = None  # records the server stopped below the max_new_tokens asked for
     cached_tokens: int | None = None  # prompt tokens the server had cached, over ``cached_records``
     cached_records: int | None = None  # records whose server said how many it had cached
     length: int | None = None  # records that ended on length (at the cap, continued or not)
@@ -132,7 +157,7 @@ def read(
         completion_tokens=int(fields.get("completion_tokens", 0)) if exact else None,
         tokens_per_s=recent,
         tokens_per_s_since_start=since_start,
-        cut=int(fields.get("cut", 0)) if exact else None,
+        capped=int(fields.get("cut", 0)) if exact else None,
         cached_tokens=int(fields.get("cached_tokens", 0)) if exact else None,
         cached_records=int(fields.get("cached_records", 0)) if exact else None,
         length=_ledger(fields, "length", exact),

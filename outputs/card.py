@@ -47,18 +47,40 @@ def render(
     """The card of the exports in ``folder`` of the dataset whose records (and provenance.json)
     are in ``records``; ``current`` is the config of the export just written, of ``rows`` rows."""
     files = data_files(folder)
+    # `datasets` loads a folder with one builder, chosen from its first config's files (load.py,
+    # infer_module_for_data_files): a card listing JSON Lines and Parquet configs together fails
+    # to load the other kind. So the configs are the exports of the one just written's kind; the
+    # others are named below it with the line that loads them.
+    kind = _kind(files.get(current, next(iter(files.values()), "")))
+    configs = {config: path for config, path in files.items() if _kind(path) == kind}
+    others = {config: path for config, path in files.items() if config not in configs}
     prov = provenance.read(records) or {}
     lines = ["---", f"license: {_q(license_id)}", f"pretty_name: {_q(name)}", "task_categories:"]
     lines += ["- text-generation", "tags:", "- synthetic", "- genq", "size_categories:"]
     lines += [f"- {_q(size_category(rows))}", "configs:"]
-    for config, path in files.items():
+    for config, path in configs.items():
         lines += [f"- config_name: {_q(config)}"]
         if config == current:
             lines += ["  default: true"]
         lines += ["  data_files:", "  - split: train", f"    path: {_q(path)}"]
-    lines += ["---", "", f"# {name}", "", "Synthetic data generated with genq."]
+    lines += ["---", "", f"# {name}", "", "Synthetic data generated with genq.", *_others(others)]
     lines += ["", *_provenance(prov), "", *_ledger(prov), "", *_lengths(lengths), "", *_reproduce(prov)]
     return "\n".join(lines) + "\n"
+
+
+def _kind(path: str) -> str:
+    """The `datasets` builder that reads an export file."""
+    return "parquet" if path.endswith(".parquet") else "json"
+
+
+def _others(others: dict[str, str]) -> list[str]:
+    """The exports of the other kind: beside the configs, each with the line that loads it."""
+    if not others:
+        return []
+    out = ["", "Also in this folder (another file type than the configs above):", ""]
+    for config, path in others.items():
+        out.append(f"- {config}: `datasets.load_dataset({_kind(path)!r}, data_files={path!r})`")
+    return out
 
 
 def write(folder: Path, text: str) -> Path:
@@ -82,7 +104,7 @@ def _provenance(prov: dict[str, Any]) -> list[str]:
     out.append(f"| models | {', '.join(prov.get('models') or []) or 'not reported'} |")
     out.append(f"| genq | {prov.get('genq_version')} |")
     out.append(f"| sampling | `{orjson.dumps(settings.get('sampling_params')).decode()}` |")
-    out.append(f"| samples per prompt | {settings.get('samples')} |")
+    out.append(f"| samples per prompt | {_samples(settings)} |")
     for key in ("tokenizer", "chat_template", "system_prompt", "format", "continue_to"):
         if prompting.get(key) is not None:
             out.append(f"| {key.replace('_', ' ')} | `{prompting[key]}` |")
@@ -134,10 +156,25 @@ def _lengths(lengths: dict | None) -> list[str]:
     return ["## Completion lengths (tokens)", "", cells]
 
 
+def _samples(settings: dict[str, Any]) -> str:
+    """How many samples a prompt got: under --accept K, K accepted of at most M drawn."""
+    accept = (settings.get("check") or {}).get("accept")
+    most = settings.get("samples")
+    return f"{accept} accepted of at most {most} samples" if accept else f"{most}"
+
+
 def _reproduce(prov: dict[str, Any]) -> list[str]:
-    command = (prov.get("enqueue") or {}).get("enqueue_command")
+    """The commands that were run: the `genq run` line when the last enqueue was its, else the
+    enqueue line, the `genq check` line of a checked dataset, and the roles to start."""
+    made = prov.get("commands") or {}
+    run, enqueue, check = made.get("run"), made.get("enqueue"), made.get("check")
     out = ["## How to make it again", ""]
-    if command:
-        out += ["Enqueued with:", "", "```", command, "```", ""]
+    if run and (enqueue is None or run["at"] >= enqueue["at"]):
+        said = "Made with one command (it starts Redis, the workers, the collector and any checkers):"
+        return [*out, said, "", "```", run["command"], "```"]
+    if enqueue:
+        out += ["Enqueued with:", "", "```", enqueue["command"], "```", ""]
+    if check:
+        out += ["Judged with:", "", "```", check["command"], "```", ""]
     out += ["then `genq worker --server URL` beside each server, `genq collect --out OUT`, and this export."]
     return out

@@ -17,14 +17,13 @@ from pathlib import Path
 import click
 
 from genq.outputs.charts import Bar, bar_chart
-from genq.outputs.stats import DatasetStats, folder_stats, percentiles
+from genq.outputs.stats import WIDTHS_S, DatasetStats, Timeline, folder_stats, percentiles
 from genq.schema import ERRORS, RAW
 from genq.settings import option
 
 UNKNOWN = "unknown"
 HIST_BINS = 20
-MAX_BARS = 120  # throughput bars; longer runs get wider buckets
-BUCKET_MINUTES = (1, 2, 5, 10, 15, 30, 60, 120, 360, 720, 1440)
+MAX_BARS = 120  # throughput bars: the narrowest bucket that draws the run in at most this many
 
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:2em auto;max-width:60em;color:#222}
@@ -38,10 +37,6 @@ pre{white-space:pre-wrap;margin:0}
 
 def _utc(epoch: float, fmt: str = "%Y-%m-%d %H:%M:%S UTC") -> str:
     return time.strftime(fmt, time.gmtime(epoch))
-
-
-def _minute(minute: int) -> str:
-    return _utc(minute * 60, "%Y-%m-%d %H:%M UTC")
 
 
 def _duration(seconds: float) -> str:
@@ -81,31 +76,33 @@ def histogram(lengths: list[int]) -> list[Bar]:
     return bars
 
 
-def throughput(minutes: Counter) -> tuple[list[Bar], int]:
-    """Completion tokens per minute, one bar per bucket from the first minute to the last (a minute
-    with nothing finished is a real 0); the bucket's width in minutes."""
-    first, last = min(minutes), max(minutes)
-    span = last - first + 1
-    width = next((w for w in BUCKET_MINUTES if span / w <= MAX_BARS), math.ceil(span / MAX_BARS))
+def throughput(finished: Timeline) -> tuple[list[Bar], int]:
+    """Completion tokens per second, one bar per bucket from the first to the last (a bucket in
+    which nothing finished is a real 0), the buckets as narrow as MAX_BARS allows: a 30-s run is
+    drawn by the second, a day by the quarter hour. Returns the bars and their width in seconds."""
+    fine = finished.width_s
+    first, last = min(finished.buckets) * fine, (max(finished.buckets) + 1) * fine  # epoch seconds
+    usable = [w for w in WIDTHS_S if w >= fine and w % fine == 0]
+    width = next((w for w in usable if (last // w - first // w) <= MAX_BARS), usable[-1])
     buckets: Counter = Counter()
-    for minute, tokens in minutes.items():
-        buckets[(minute - first) // width] += tokens
+    for bucket, tokens in finished.buckets.items():
+        buckets[bucket * fine // width] += tokens
     bars = []
-    for i in range(math.ceil(span / width)):
+    for i in range(first // width, (last - 1) // width + 1):
         rate = buckets[i] / width
-        at = _minute(first + i * width)
-        bars.append(Bar(rate, at, f"{at}: {rate:,.0f} tokens/min"))
+        at = _utc(i * width)
+        bars.append(Bar(rate, at, f"{at}: {rate:,.1f} tokens/s"))
     return bars, width
 
 
 # -- one dataset --------------------------------------------------------------------------------
 
 
-def _cut(d: DatasetStats) -> str:
-    if not d.cut_known:
+def _capped(d: DatasetStats) -> str:
+    if not d.capped_known:
         return UNKNOWN
-    rest = d.records - d.cut_known
-    return f"{d.cut:,}" + (f" (unknown for {rest:,} records of another tool)" if rest else "")
+    rest = d.records - d.capped_known
+    return f"{d.capped:,}" + (f" (unknown for {rest:,} records of another tool)" if rest else "")
 
 
 def _numbers(d: DatasetStats) -> str:
@@ -113,7 +110,7 @@ def _numbers(d: DatasetStats) -> str:
         [
             ("records", f"{d.records:,}"),
             ("failed", f"{sum(d.errors.values()):,}"),
-            ("cut", _cut(d)),
+            ("capped", _capped(d)),
             ("prompt tokens", f"{d.prompt_tokens:,}"),
             ("completion tokens", f"{d.completion_tokens:,}"),
             ("unrecognized lines", f"{d.unrecognized:,}"),
@@ -153,11 +150,11 @@ def _check(d: DatasetStats) -> str:
 
 
 def _throughput(d: DatasetStats) -> str:
-    if not d.minutes:
+    if not d.finished:
         return _note(f"{UNKNOWN}: no record says when it finished (finished_at)")
-    bars, width = throughput(d.minutes)
-    per = "minute" if width == 1 else f"{width} minutes"
-    chart = bar_chart(bars, "completion tokens per minute", "tok/min", "")
+    bars, width = throughput(d.finished)
+    per = _duration(width) if width < 60 else f"{width // 60} min" if width < 3600 else f"{width // 3600} h"
+    chart = bar_chart(bars, "completion tokens per second", "tok/s", "")
     missing = d.records - d.timed
     return (
         chart
@@ -207,7 +204,7 @@ def _dataset(name: str, d: DatasetStats) -> str:
         _lengths(d),
         "<h3>Finish reasons</h3>",
         finish if d.records else _note("no records"),
-        "<h3>Throughput (completion tokens per minute)</h3>",
+        "<h3>Throughput (completion tokens per second)</h3>",
         _throughput(d),
         "<h3>Latency</h3>",
         _latency(d),
@@ -274,7 +271,7 @@ def render(folder: Path, stats: dict[str, DatasetStats]) -> str:
 )
 def report_command(folder: Path, output: Path | None) -> None:
     """One self-contained HTML page of FOLDER's run, from the files alone (as `genq stats` reads
-    them): per dataset records, failed, cut, a completion-length histogram, finish reasons,
+    them): per dataset records, failed, capped, a completion-length histogram, finish reasons,
     throughput over time, latency, attempts and failures; the run's totals. No script, no network."""
     if not any(folder.glob(f"*/{RAW}")) and not any(folder.glob(f"*/{ERRORS}")):
         raise click.ClickException(

@@ -32,7 +32,7 @@ from rich.table import Table
 
 from genq import datasets as dataset_settings
 from genq import terminal
-from genq.schema import EXPORTS, RAW, REJECTED_SAMPLES, REJECTS, cut_short, extends
+from genq.schema import EXPORTS, RAW, REJECTED_SAMPLES, REJECTS, cut_short, extends, rejudged
 from genq.settings import option
 
 MAX_EXAMPLES = 5
@@ -47,7 +47,7 @@ class Rec:
     completion_tokens: int
     finish_reason: str | None = None
     latency_s: float | None = None
-    cut: bool | None = None  # stopped below the max_new_tokens asked for (genq's finish_length)
+    capped: bool | None = None  # stopped below the max_new_tokens asked for (genq's finish_length)
     finished_at: float | None = None  # epoch seconds
     attempts: int | None = None  # sends it took
     extends: int | None = None  # the completion tokens of the record it supersedes (genq/schema.py)
@@ -188,6 +188,36 @@ def error_message(obj: dict) -> str | None:
 # -- one dataset --------------------------------------------------------------------------------
 
 
+# Widths of a Timeline's buckets in seconds, each dividing the next: buckets coarsen exactly.
+WIDTHS_S = (1, 2, 10, 30, 60, 120, 600, 1800, 3600, 7200, 21600, 43200, 86400)
+MAX_BUCKETS = 4096  # a run of days is kept at the first width that holds it in this many
+
+
+class Timeline:
+    """Completion tokens by when they finished, in buckets of the finest width that keeps at most
+    MAX_BUCKETS of them: a 30-s run is seen by the second, a week-long one by the hour, in bounded
+    memory whatever the run's length."""
+
+    def __init__(self) -> None:
+        self.width_s = WIDTHS_S[0]
+        self.buckets: Counter = Counter()  # bucket (epoch seconds // width_s) -> tokens
+
+    def add(self, at: float, tokens: int) -> None:
+        self.buckets[int(at // self.width_s)] += tokens
+        while len(self.buckets) > MAX_BUCKETS and self.width_s < WIDTHS_S[-1]:
+            self.coarsen()
+
+    def coarsen(self) -> None:
+        wider = WIDTHS_S[WIDTHS_S.index(self.width_s) + 1]
+        merged: Counter = Counter()
+        for bucket, tokens in self.buckets.items():
+            merged[bucket * self.width_s // wider] += tokens
+        self.width_s, self.buckets = wider, merged
+
+    def __bool__(self) -> bool:
+        return bool(self.buckets)
+
+
 @dataclass
 class DatasetStats:
     records: int = 0
@@ -200,10 +230,10 @@ class DatasetStats:
     rejected: int | None = None  # jobs of the rows enqueue rejected (rejected.jsonl beside the records)
     latencies: list[float] = field(default_factory=list)
     finish_reasons: Counter = field(default_factory=Counter)
-    cut: int = 0
-    cut_known: int = 0  # records whose shape says whether the server cut them (genq's)
+    capped: int = 0
+    capped_known: int = 0  # records whose shape says whether the server capped them (genq's)
     timed: int = 0  # records that say when they finished
-    minutes: Counter = field(default_factory=Counter)  # completion tokens by minute finished
+    finished: Timeline = field(default_factory=lambda: Timeline())  # completion tokens by when finished
     first_at: float | None = None
     last_at: float | None = None
     attempts: Counter = field(default_factory=Counter)  # sends a record took -> records
@@ -225,6 +255,8 @@ class DatasetStats:
             return self._unrecognized(where, "not JSON")
         if not isinstance(obj, dict):
             return self._unrecognized(where, f"a JSON {type(obj).__name__}, not an object")
+        if rejudged(obj) is not None:  # judged again: a new verdict for a record counted already
+            return self._verdict(obj, again=True)
         try:
             for shape, reader in READERS:
                 rec = reader(obj)
@@ -261,28 +293,33 @@ class DatasetStats:
             self.continued += 1
         self.lengths.append(rec.completion_tokens)
         self.finish_reasons[rec.finish_reason or "unknown"] += 1
-        if rec.cut is not None and rec.extends is None:
-            self.cut += rec.cut
-            self.cut_known += 1
+        if rec.capped is not None and rec.extends is None:
+            self.capped += rec.capped
+            self.capped_known += 1
         if rec.latency_s is not None:
             self.latencies.append(rec.latency_s)
         if rec.attempts is not None:
             self.attempts[rec.attempts] += 1
         if rec.finished_at is not None:
             self.timed += 1
-            self.minutes[int(rec.finished_at // 60)] += new
+            self.finished.add(rec.finished_at, new)
             at = rec.finished_at
             self.first_at = at if self.first_at is None else min(at, self.first_at)
             self.last_at = at if self.last_at is None else max(at, self.last_at)
 
-    def _verdict(self, obj: dict) -> None:
+    def _verdict(self, obj: dict, again: bool = False) -> None:
+        """A verdict filed; ``again``: one that takes the place of the sample's check_failed verdict
+        (genq retry --check-failed), whichever file was read first."""
         check, row = obj.get("check"), obj.get("row")
         if not isinstance(check, dict) or not isinstance(row, int) or isinstance(row, bool):
             return
         status = str(check.get("status"))
         self.verdicts[status] += 1
         counts = self.per_prompt.setdefault(row, [0, 0])
-        counts[0] += 1
+        if again:
+            self.verdicts["check_failed"] -= 1
+        else:
+            counts[0] += 1
         counts[1] += status == "accepted"
 
     def check(self) -> dict[str, Any] | None:
@@ -293,7 +330,7 @@ class DatasetStats:
             return None
         prompts = len(self.per_prompt)
         out: dict[str, Any] = {
-            "verdicts": dict(self.verdicts.most_common()),
+            "verdicts": dict((+self.verdicts).most_common()),
             "prompts": prompts,
             "samples_per_prompt": round(sum(d for d, _ in self.per_prompt.values()) / prompts, 2),
         }
@@ -354,7 +391,7 @@ class DatasetStats:
             else None,
             "completion_tokens_percentiles": percentiles(self.record_lengths()),
             "finish_reasons": dict((+self.finish_reasons).most_common()),
-            "cut": self.cut,
+            "capped": self.capped,
             "latency_s": percentiles(self.latencies),
             "shapes": dict(self.shapes.most_common()),
             "errors": dict(self.errors.most_common()),
@@ -533,7 +570,7 @@ def _table(datasets: dict[str, dict[str, Any]]) -> Table:
         "p90",
         "p99",
         "length",
-        "cut",
+        "capped",
         "unrecog.",
     ):
         table.add_column(col, justify="left" if col == "dataset" else "right", no_wrap=True)
@@ -547,7 +584,7 @@ def _table(datasets: dict[str, dict[str, Any]]) -> Table:
             f"{d['avg_completion_tokens']:,.0f}" if d["avg_completion_tokens"] is not None else "-",
             *(f"{pct[p]:,.0f}" if pct else "-" for p in ("p50", "p90", "p99")),
             f"{d['finish_reasons'].get('length', 0):,}",
-            f"{d['cut']:,}",
+            f"{d['capped']:,}",
             f"{d['unrecognized']['lines']:,}",
         )
     return table

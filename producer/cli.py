@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import click
 import redis
 
-from genq import backends, datasets, sources
+from genq import backends, datasets, progress, sources
 from genq.connection import HASH_VALUE_LIMIT, connect, redact, wait_for_redis
 from genq.keys import Keys
 from genq.producer import thinking
@@ -67,7 +69,21 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
     "value, instruction, input, input_ids, system) from another column. Repeatable.",
 )
 @option(
-    "--split", default=None, help="Split of a Hugging Face dataset folder (default: train, or the only one)."
+    "--split",
+    default=None,
+    help="Split of a Hugging Face dataset, folder or id (default: train, or the only one).",
+)
+@option(
+    "--config",
+    default=None,
+    help="Configuration of a Hugging Face dataset given by its id (owner/name), as load_dataset takes it.",
+)
+@option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Only the first N rows, for a trial: the next enqueue without it enqueues the rest.",
 )
 @option(
     "--tokenizer", default=None, help="Render prompts with its chat template (a local folder, or the cache)."
@@ -146,6 +162,14 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
     "--register-only",
     is_flag=True,
     help="Record the dataset's settings (checking them against earlier enqueues) and enqueue nothing.",
+)
+@option(
+    "--wait-collector",
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="Record the dataset's settings, wait (at most SECONDS) until a collector has taken the dataset "
+    "and reconciled its files on disk, then enqueue: rows already on disk are skipped even on a fresh "
+    "Redis (genq run does this).",
 )
 @option(
     "--context-length",
@@ -251,11 +275,27 @@ def enqueue_command(redis_url: str, namespace: str, redis_wait: float, **options
         ) from exc
     if not request.register_only:
         hint_hash_encoding(conn, Keys(namespace))
+    if request.wait_collector is not None:
+        _enqueue(conn, Keys(namespace), dataclasses.replace(request, register_only=True), plan)
+        _wait_for_collector(conn, Keys(namespace), plan.name, request.wait_collector)
     summary = _enqueue(conn, Keys(namespace), request, plan)
     if request.register_only:
         click.echo(f"{plan.name}: settings recorded")
         return
     _say_outcome(request, plan, summary)
+
+
+def _wait_for_collector(conn: redis.Redis, keys: Keys, name: str, seconds: float) -> None:
+    """Until a collector holds the dataset (its settings registered just before), at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not progress.collector_holds(conn, keys, name):
+        if time.monotonic() > deadline:
+            raise click.ClickException(
+                f"{name}: no collector took the dataset within {seconds:g} s (--wait-collector); start "
+                "`genq collect --out OUT` for this Redis, or see its log (the settings are recorded, "
+                "nothing is enqueued)"
+            )
+        time.sleep(0.1)
 
 
 def request_of(ctx: click.Context, options: dict[str, Any]) -> EnqueueRequest:

@@ -14,11 +14,9 @@ the print of the rows enqueued from it before (producer/fingerprints.py), saved 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
-import shlex
-import socket
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -32,18 +30,17 @@ from redis.client import Pipeline
 
 from genq import datasets, provenance, rq_jobs, sources
 from genq.bitmaps import is_set, set_bits
-from genq.connection import redact
 from genq.conversation import first_turn
 from genq.keys import Keys
 from genq.producer.context import Limits, check_fits, check_recipe, check_vocab
-from genq.producer.fingerprints import Fingerprints
+from genq.producer.fingerprints import Change, Fingerprints
 from genq.producer.formats import Shape
 from genq.producer.lease import Lease
 from genq.producer.readers import Rejected, Row, read_dataset
 from genq.producer.rejects import RejectsFile
 from genq.queues import rq_queue
 from genq.redis_errors import Outage, patiently
-from genq.schema import JobSpec, bit_index, now_iso, record_id
+from genq.schema import JobSpec, bit_index, record_id
 from genq.sources import SourceError
 from genq.templates import ChatTemplate
 
@@ -66,6 +63,8 @@ class Options:
 
     shape: Shape = field(default_factory=Shape)
     split: str | None = None
+    config: str | None = None  # a Hugging Face dataset id's configuration
+    limit: int | None = None  # only the first rows (--limit): a trial
     template: ChatTemplate | None = None
     think: dict[str, Any] | None = None
     keep_prompt: bool = True
@@ -102,6 +101,7 @@ class Options:
             "keep_prompt": None if self.keep_prompt else False,
             "clip_max_new_tokens": self.clip or None,
             "split": self.split,
+            "config": self.config,
             "continue_to": self.continue_to,
             "keep_fields": list(shape.keep_fields) or None,
         }
@@ -129,11 +129,11 @@ def enqueue_rows(
     keys: Keys,
     settings: datasets.DatasetSettings,
     rows: Iterable[Row | Rejected],
+    prints: Fingerprints,
     options: Options | None = None,
     expected_rows: int | None = None,
     report: Report = lambda line: None,
     rejects: RejectsFile | None = None,
-    prints: Fingerprints | None = None,
 ) -> Summary:
     """Enqueue every usable row not already enqueued (or done), ``settings.samples`` jobs each.
 
@@ -147,8 +147,7 @@ def enqueue_rows(
     lease = Lease(conn, keys.enqueuing(settings.name), keys.enqueue_epoch(settings.name), settings.name)
     patiently(lambda: lease.acquire(report), Outage(log, conn, keys))  # before the bitmaps are read
     try:
-        if prints is not None:
-            patiently(lambda: prints.load(conn), Outage(log, conn, keys))
+        patiently(lambda: prints.load(conn), Outage(log, conn, keys))
         return _enqueue_leased(
             conn, keys, settings, rows, options, expected_rows, report, lease, prints, rejects
         )
@@ -165,7 +164,7 @@ def _enqueue_leased(
     expected_rows: int | None,
     report: Report,
     lease: Lease,
-    prints: Fingerprints | None,
+    prints: Fingerprints,
     rejects: RejectsFile | None,
 ) -> Summary:
     summary = Summary()
@@ -183,17 +182,15 @@ def _enqueue_leased(
                 report(f"rejected {item}")
                 if rejects is not None:
                     rejects.write(item)
-                pusher.reject(item.row)
+                summary.enqueued += pusher.reject(item.row, prints.turned_down(item.row, item.mark))
                 continue
             if item.max_new_tokens is not None:
                 summary.clipped += 1
                 report(f"clipped {item.where}: max_new_tokens {max_new} -> {item.max_new_tokens} to fit")
-            for sample in todo:
-                summary.enqueued += pusher.add(item, sample)
+            summary.enqueued += pusher.add(item, todo, prints.taken_in(item.row, item.mark))
     except SourceError as exc:
         summary.fatal = str(exc)
     summary.enqueued += pusher.flush()
-    pusher.flush_rejected()
     pusher.save_prints()  # the files read to their end (rows refused or skipped at their ends too)
     if summary.fatal is None:  # every row read: the bitmap holds the full total
         patiently(lambda: conn.hdel(keys.in_source, settings.name), pusher.outage)
@@ -205,7 +202,7 @@ def checked(item: Row | Rejected, params: dict[str, Any], options: Options) -> R
     sampling (an openai-batch row's) is the dataset's."""
     if isinstance(item, Rejected):
         return item
-    raw, limits = item.raw, options.limits
+    raw, mark, limits = item.raw, item.mark, options.limits
     if limits.vocab_size is not None:
         item = check_vocab(item, limits.vocab_size)
     if isinstance(item, Row) and item.prompt.sampling is not None:
@@ -221,7 +218,7 @@ def checked(item: Row | Rejected, params: dict[str, Any], options: Options) -> R
         max_new = int(params["max_new_tokens"])
         item = check_fits(item, max_new, limits.context_length, options.clip, limits.max_input_len)
     if isinstance(item, Rejected):
-        item.raw = raw
+        item.raw, item.mark = raw, mark
     return item
 
 
@@ -231,7 +228,7 @@ def _fresh(
     settings: datasets.DatasetSettings,
     rows: Iterable[Row | Rejected],
     summary: Summary,
-    prints: Fingerprints | None = None,
+    prints: Fingerprints,
 ) -> Iterator[tuple[Row | Rejected, list[int]]]:
     """Rows with the samples still to enqueue, and rejected rows (counted where every rejection is);
     rows already enqueued or done are only counted. Those inside their file's recorded rows wait
@@ -250,7 +247,7 @@ def _fresh(
                     summary.skipped += 1
                 else:
                     todo.append(sample)
-        if prints is not None and item.mark is not None and prints.held(item.mark):
+        if item.mark is not None and prints.held(item.mark):
             if todo or isinstance(item, Rejected):
                 held.append((item, todo))
             continue
@@ -295,14 +292,28 @@ def _render_held(
         if isinstance(item, Row) and item.prompt.messages is not None:
             ids = next(rendered)
             if isinstance(ids, str):
-                yield Rejected(item.where, item.row, ids, item.raw), todo
+                yield Rejected(item.where, item.row, ids, item.raw, item.mark), todo
                 continue
             item.prompt.input_ids = ids
         yield item, todo
 
 
+@dataclass
+class _Pending:
+    """What one MULTI of the pusher writes."""
+
+    jobs: list[tuple[int, rq_jobs.Job]]
+    rejected: list[int]
+    taken_in: list[int]
+    changes: list[Change]
+
+
 class _Pusher:
-    """Builds job payloads and pushes them in MULTI batches, waiting for room with ``max_queued``."""
+    """Builds job payloads and pushes them in MULTI batches, waiting for room with ``max_queued``.
+
+    A MULTI holds the jobs, their ``enqueued`` bits, the ``rejected`` bits of rows refused (set)
+    and of rows refused before and queued now (cleared), and the sources' prints that match those
+    bits (producer/fingerprints.py): what `genq status` and the next enqueue read always agree."""
 
     def __init__(
         self,
@@ -312,7 +323,7 @@ class _Pusher:
         options: Options,
         expected_rows: int | None,
         lease: Lease,
-        prints: Fingerprints | None = None,
+        prints: Fingerprints,
     ):
         self.conn, self.keys, self.settings, self.options = conn, keys, settings, options
         self.lease, self.prints = lease, prints
@@ -320,74 +331,80 @@ class _Pusher:
         self.size = BATCH if options.max_queued is None else max(1, min(BATCH, options.max_queued // 2))
         self.expected_jobs = expected_rows * settings.first_draw if expected_rows is not None else None
         self.batch: list[tuple[int, rq_jobs.Job]] = []
-        self.rejected: list[int] = []
+        self.rejected: list[int] = []  # bits to set: rows refused now
+        self.taken_in: list[int] = []  # bits to clear: rows refused before, queued now
+        self.changes: list[Change] = []  # the prints' terms those bits change
         self.outage = Outage(log, conn, keys)
 
-    def reject(self, row: int) -> None:
-        """Remember a row refused here, so `genq verify` tells it from a row never enqueued."""
-        samples = self.settings.samples
-        self.rejected.extend(bit_index(row, k, samples) for k in range(self.settings.first_draw))
-        if len(self.rejected) >= self.size:
-            self.flush_rejected()
+    def _indexes(self, row: int) -> list[int]:
+        return [bit_index(row, k, self.settings.samples) for k in range(self.settings.first_draw)]
 
-    def flush_rejected(self) -> None:
-        if not self.rejected:
-            return
-        patiently(self._push_rejected, self.outage)  # setting bits twice sets them once
-        self.rejected = []
+    def reject(self, row: int, change: Change | None) -> int:
+        """Remember a row refused here, so `genq verify` tells it from a row never enqueued;
+        returns how many jobs were pushed now (the jobs pending go in the same MULTI)."""
+        self.rejected.extend(self._indexes(row))
+        if change is not None:
+            self.changes.append(change)
+        return self.flush() if len(self.rejected) >= self.size else 0
 
-    def _push_rejected(self) -> None:
-        with self.conn.pipeline(transaction=False) as pipe:
-            set_bits(pipe, self.keys.rejected(self.settings.name), self.rejected)
-            pipe.execute()
-
-    def add(self, item: Row, sample: int) -> int:
-        """Queue one job for the next push; returns how many jobs were pushed now."""
-        index = bit_index(item.row, sample, self.settings.samples)
-        self.batch.append((index, self._job_data(item, sample)))
-        return self.flush() if len(self.batch) >= self.size else 0
+    def add(self, item: Row, todo: list[int], change: Change | None) -> int:
+        """Queue a row's samples ``todo`` for the next push; returns how many jobs were pushed now.
+        ``change``: the row was refused before, and its bits and print change with its jobs."""
+        pushed = 0
+        if change is not None:
+            self.taken_in.extend(self._indexes(item.row))
+            self.changes.append(change)
+        for sample in todo:
+            index = bit_index(item.row, sample, self.settings.samples)
+            self.batch.append((index, self._job_data(item, sample)))
+            if len(self.batch) >= self.size:
+                pushed += self.flush()
+        return pushed
 
     def flush(self) -> int:
-        if not self.batch:
+        """Push what is pending in one MULTI; returns how many jobs it held."""
+        if not (self.batch or self.rejected or self.taken_in):
             return 0
-        batch, self.batch = self.batch, []
-        # A batch is one MULTI: refused (Redis out of memory, its disk full, ...), none of it was
-        # applied and it is sent again; a lost connection may hide one that was, so that fails.
-        patiently(lambda: self._push(batch), self.outage, replies_only=True)
-        return len(batch)
+        pending = _Pending(self.batch, self.rejected, self.taken_in, self.changes)
+        self.batch, self.rejected, self.taken_in, self.changes = [], [], [], []
+        # A MULTI refused (Redis out of memory, its disk full, ...) was not applied and is sent
+        # again; a lost connection may hide one that was, so that fails when it holds jobs (bits
+        # alone set twice are set once).
+        patiently(lambda: self._push(pending), self.outage, replies_only=bool(pending.jobs))
+        return len(pending.jobs)
 
-    def _push(self, batch: list[tuple[int, rq_jobs.Job]]) -> None:
-        if self.options.max_queued is not None:
-            while self.conn.llen(self.queue.key) + len(batch) > self.options.max_queued:
+    def _push(self, pending: _Pending) -> None:
+        if self.options.max_queued is not None and pending.jobs:
+            while self.conn.llen(self.queue.key) + len(pending.jobs) > self.options.max_queued:
                 time.sleep(POLL_S)  # the lease's own thread renews it meanwhile
-        written = self._saving(lambda pipe: self._queue_push(pipe, batch))
-        if self.prints is not None:
-            self.prints.saved_as(written)
+        self._saving(lambda pipe: self._queue_push(pipe, pending), pending.changes)
 
     def save_prints(self) -> None:
         """Save the prints of the files read to their end, fenced like a push."""
-        if self.prints is not None:
-            self.prints.saved_as(patiently(lambda: self._saving(lambda pipe: None), self.outage))
+        patiently(lambda: self._saving(lambda pipe: None, []), self.outage)
 
-    def _saving(self, build: Callable[[Pipeline], None]) -> dict[int, int]:
-        """Run ``build``'s MULTI with the sources' prints it covers; returns the prints written."""
-        written: dict[int, int] = {}
+    def _saving(self, build: Callable[[Pipeline], None], changes: list[Change]) -> None:
+        """Run ``build``'s MULTI with the sources' prints it covers."""
+        written: dict[int, tuple[int, int]] = {}
 
         def queued(pipe: Pipeline) -> None:
             build(pipe)
-            if self.prints is not None:
-                written.update(self.prints.save(pipe))
+            written.update(self.prints.save(pipe, changes))
 
         self.lease.push(queued)
-        return written
+        self.prints.saved_as(written, changes)
 
-    def _queue_push(self, pipe: Pipeline, batch: list[tuple[int, rq_jobs.Job]]) -> None:
+    def _queue_push(self, pipe: Pipeline, pending: _Pending) -> None:
         name = self.settings.name
-        rq_jobs.push(pipe, self.queue, [job for _, job in batch], rq_jobs.JOBS)
-        set_bits(pipe, self.keys.enqueued(name), [index for index, _ in batch])
+        set_bits(pipe, self.keys.rejected(name), pending.rejected)
+        set_bits(pipe, self.keys.rejected(name), pending.taken_in, 0)
+        if not pending.jobs:
+            return
+        rq_jobs.push(pipe, self.queue, [job for _, job in pending.jobs], rq_jobs.JOBS)
+        set_bits(pipe, self.keys.enqueued(name), [index for index, _ in pending.jobs])
         if self.expected_jobs is not None:
             # Jobs of the rows after this batch: still in the files (`genq status` counts them queued).
-            left = max(0, self.expected_jobs - batch[-1][0] - 1)
+            left = max(0, self.expected_jobs - pending.jobs[-1][0] - 1)
             pipe.hset(self.keys.in_source, name, left)
 
     def _job_data(self, item: Row, sample: int) -> rq_jobs.Job:
@@ -440,24 +457,6 @@ def record_rejects(conn: redis.Redis, keys: Keys, dataset: str, summary: Summary
     conn.hset(keys.provenance(dataset), provenance.REJECTS_FIELD, orjson.dumps(by_reason))
 
 
-def record_command(conn: redis.Redis, keys: Keys, dataset: str) -> None:
-    """The dataset's provenance: the command line that enqueued it last (URLs' passwords
-    redacted; secrets are never in argv), the host and the time."""
-    program = Path(sys.argv[0]).name
-    argv = ["genq" if program == "__main__.py" else program, *sys.argv[1:]]  # python -m genq: genq
-    command = shlex.join(map(_redacted, argv))
-    conn.hset(
-        keys.provenance(dataset),
-        mapping={"enqueue_command": command, "enqueue_host": socket.gethostname(), "enqueued_at": now_iso()},
-    )
-
-
-def _redacted(arg: str) -> str:
-    """An argument with the password of a URL in it (``URL`` or ``--flag=URL``) replaced."""
-    flag, eq, value = arg.partition("=") if arg.startswith("-") else ("", "", arg)
-    return flag + eq + (redact(value) if "://" in value else value)
-
-
 def enqueue_dataset(
     conn: redis.Redis,
     keys: Keys,
@@ -482,16 +481,27 @@ def enqueue_dataset(
     )
     register = lambda: datasets.register(conn, keys, wanted, replace=replace_settings)  # noqa: E731
     settings = patiently(register, Outage(log, conn, keys))  # HSETNX first: registering again changes nothing
-    patiently(lambda: record_command(conn, keys, dataset), Outage(log, conn, keys))
+    patiently(lambda: provenance.record_command(conn, keys, dataset, "enqueue"), Outage(log, conn, keys))
     if register_only:
         return Summary()
     expected = None
     if options.max_queued is not None:
         expected = sum(sources.count(path, options.split, options.max_row_bytes) for path in paths)
+        if options.limit is not None:
+            expected = min(expected, options.limit)
         report(f"{dataset}: {expected} rows in its sources; at most {options.max_queued} jobs queued at once")
-    prints = Fingerprints(keys.sources(dataset), dataset, replace_settings, report)
-    rows = read_dataset(paths, options.shape, options.split, report, options.max_row_bytes, prints)
-    summary = enqueue_rows(conn, keys, settings, rows, options, expected, report, rejects, prints)
-    if summary.fatal is None:  # every row read: the counts are whole
+    prints = Fingerprints(
+        keys.sources(dataset), keys.rejected(dataset), dataset, settings.samples, replace_settings, report
+    )
+    rows: Iterable[Row | Rejected] = read_dataset(
+        paths, options.shape, options.split, report, options.max_row_bytes, prints
+    )
+    if options.limit is not None:
+        rows = itertools.islice(rows, options.limit)  # the reader stops there: its print covers them
+    summary = enqueue_rows(conn, keys, settings, rows, prints, options, expected, report, rejects)
+    if summary.fatal is None:  # every row read (or the first --limit): the counts are whole
         patiently(lambda: record_rejects(conn, keys, dataset, summary), Outage(log, conn, keys))
+        limited = options.limit is not None and summary.read == options.limit
+        patiently(lambda: provenance.record_limit(conn, keys, dataset, summary.read if limited else None),
+                  Outage(log, conn, keys))  # fmt: skip
     return summary

@@ -29,7 +29,7 @@ class Row:
     prompt: Prompt
     max_new_tokens: int | None = None  # clipped to fit the context (--clip-max-new-tokens)
     raw: bytes | None = None  # the row as written (its start), should a later check reject it
-    mark: Mark | None = None  # its file and the file's print up to it (when enqueue hashes sources)
+    mark: Mark | None = None  # its file, where in it, its term of the file's print (enqueue's)
 
 
 @dataclass
@@ -82,7 +82,7 @@ def _file_rows(
     """One file's rows, numbered from ``first``."""
     seen: set[str] = set()
     for row, record in enumerate(sources.read(path, split, max_row_bytes), start=first):
-        mark = hashed.add(record) if hashed is not None else None
+        mark = hashed.add(record, row) if hashed is not None else None
         raw = record.raw[: sources.RAW_BYTES] if record.raw is not None else None
         if record.error is not None:
             yield Rejected(record.where, row, record.error, raw, mark)

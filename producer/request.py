@@ -57,6 +57,8 @@ class EnqueueRequest:
     fmt: str = "auto"
     fields: Mapping[str, str] = field(default_factory=dict)
     split: str | None = None
+    config: str | None = None
+    limit: int | None = None
     tokenizer: str | None = None
     trust_remote_code: bool = False
     chat_template_kwargs: Mapping[str, Any] | None = None
@@ -71,6 +73,7 @@ class EnqueueRequest:
     max_samples: int | None = None
     replace_settings: bool = False
     register_only: bool = False
+    wait_collector: float | None = None
     context_length: int | None = None
     server: str | None = None
     backend: str = "auto"
@@ -180,6 +183,10 @@ class EnqueueRequest:
         self.check_stage()
         if self.dry_run and self.register_only:
             raise click.UsageError("--dry-run records nothing: it cannot go with --register-only")
+        if self.wait_collector is not None and (self.dry_run or self.register_only):
+            raise click.UsageError(
+                "--wait-collector goes with an enqueue: not with --dry-run or --register-only"
+            )
         if self.clip_max_new_tokens and self.context_length is None:
             raise click.UsageError("--clip-max-new-tokens needs --context-length or --server")
 
@@ -240,7 +247,7 @@ class EnqueueRequest:
         sampling (an OpenAI Batch file's first row's own); the options `enqueue_dataset` runs."""
         name, limits = self.name, self.limits
         try:
-            paths = sources.expand(list(self.files))
+            paths = sources.expand(list(self.files), self.config)
             template = (
                 ChatTemplate(self.tokenizer, self.chat_template_kwargs, self.trust_remote_code)
                 if self.tokenizer
@@ -303,6 +310,8 @@ class EnqueueRequest:
         options = Options(
             shape=shape,
             split=self.split,
+            config=self.config,
+            limit=self.limit,
             template=template,
             think=think,
             keep_prompt=self.keep_prompt,

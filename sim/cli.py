@@ -31,6 +31,18 @@ def _option(flag: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable
     return click.option(flag, envvar=envvar, show_envvar=True, show_default=True, **kwargs)
 
 
+def _thinking(think_ids: str | None) -> model.Thinking | None:
+    if think_ids is None:
+        return None
+    try:
+        start, end = (int(i) for i in think_ids.split(","))
+    except ValueError:
+        raise click.BadParameter(
+            f"{think_ids!r}: give two ids, START,END", param_hint="--think-ids"
+        ) from None
+    return model.Thinking(start, end)
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -132,6 +144,13 @@ async def _serve(config: SimConfig, host: str, port: int) -> None:
     help="Each token a function of every id before it: an output made in pieces equals the one-shot one.",
 )
 @_option(
+    "--think-ids",
+    default=None,
+    metavar="START,END",
+    help="A reasoning model: the ids of the prompts' tokenizer's think markers (Kimi-K2.5: 163606,163607); "
+    "a prompt that leaves <think> open gets an answer that closes it partway.",
+)
+@_option(
     "--served-model-name",
     default=model.MODEL_PATH,
     help="The model id the server reports (SGLang's and vLLM's flag): two servers of two models.",
@@ -208,6 +227,7 @@ def sim_server(
     min_len: int,
     max_len: int,
     autoregressive: bool,
+    think_ids: str | None,
     served_model_name: str,
     latency: str,
     decode_step_ms: float,
@@ -273,6 +293,7 @@ def sim_server(
             min_len=min_len,
             max_len=max_len,
             autoregressive=autoregressive,
+            thinking=_thinking(think_ids),
             latency=latency,
             decode_step_s=decode_step_ms / 1000.0,
             batch_knee=batch_knee,

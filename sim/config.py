@@ -21,6 +21,7 @@ class SimConfig:
     min_len: int = model.DEFAULT_MIN_LEN  # natural output length range of the toy model (EOS included)
     max_len: int = model.DEFAULT_MAX_LEN
     autoregressive: bool = False  # each token a function of every id before it (sim/model.py)
+    thinking: model.Thinking | None = None  # a reasoning model's think markers (sim/model.py)
     latency: str = "zero"  # "zero": answer at once; "realistic": continuous-batching model
     decode_step_s: float = 0.020
     batch_knee: float = 64.0

@@ -106,7 +106,9 @@ async def _run(
         params = {k: v for k, v in params.items() if k != "sampling_seed"}
     config = state.config
     lengths = {"min_len": config.min_len, "max_len": config.max_len}
-    gen = model.generate(input_ids, params, **lengths, autoregressive=config.autoregressive)
+    gen = model.generate(
+        input_ids, params, **lengths, autoregressive=config.autoregressive, thinking=config.thinking
+    )
     served.gen, served.done = gen, gen.completion_tokens
     if state.scheduler is None:
         state.stats.tokens_generated += gen.completion_tokens

@@ -46,6 +46,30 @@ class Generation:
     completion_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Thinking:
+    """A reasoning model's think markers (ids of the tokenizer the prompts were rendered with, as
+    Kimi-K2.5's <think> 163606 and </think> 163607): a prompt whose last start marker is not closed
+    (a generation prompt opening <think>) gets an answer that closes its thought partway, the
+    end marker then the content. Both are special tokens: text shows them only with
+    skip_special_tokens false."""
+
+    start_id: int
+    end_id: int
+
+    def opened(self, input_ids: Sequence[int]) -> bool:
+        """The prompt leaves a thought open: its last start marker after its last end marker."""
+        for token in reversed(input_ids):
+            if token == self.end_id:
+                return False
+            if token == self.start_id:
+                return True
+        return False
+
+    def text(self, token_id: int) -> str | None:
+        return {self.start_id: "<think>", self.end_id: "</think>"}.get(token_id)
+
+
 @lru_cache(maxsize=65536)
 def _word_id(word: str) -> int:
     digest = hashlib.blake2b(word.encode(), digest_size=8).digest()
@@ -61,11 +85,16 @@ def _special_text(token_id: int) -> str:
     return "</s>" if token_id == EOS_TOKEN_ID else f"<|special_{token_id}|>"
 
 
-def detokenize(ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-    """Deterministic words for ids; special ids (< 100) are dropped unless asked for."""
+def detokenize(ids: Iterable[int], skip_special_tokens: bool = True, thinking: Thinking | None = None) -> str:
+    """Deterministic words for ids; special ids (< 100, and the think markers) are dropped unless
+    asked for."""
     words = []
     for token_id in ids:
-        if token_id >= FIRST_WORD_ID:
+        marker = thinking.text(token_id) if thinking is not None else None
+        if marker is not None:
+            if not skip_special_tokens:
+                words.append(marker)
+        elif token_id >= FIRST_WORD_ID:
             words.append(_WORDS[token_id % len(_WORDS)])
         elif not skip_special_tokens:
             words.append(_special_text(token_id))
@@ -119,20 +148,24 @@ def _as_list(value: Any) -> list[Any]:
 
 
 def _trimmed_text(
-    output_ids: list[int], matched: int | str | None, params: Mapping[str, Any], text_so_far: str | None
+    output_ids: list[int],
+    matched: int | str | None,
+    params: Mapping[str, Any],
+    text_so_far: str | None,
+    thinking: Thinking | None,
 ) -> str:
     """SGLang's trim: a matched stop token or string leaves the text unless no_stop_trim is set."""
     skip_special = bool(params.get("skip_special_tokens", True))
     no_stop_trim = bool(params.get("no_stop_trim", False))
     if isinstance(matched, str):
-        text = text_so_far if text_so_far is not None else detokenize(output_ids, skip_special)
+        text = text_so_far if text_so_far is not None else detokenize(output_ids, skip_special, thinking)
         if not no_stop_trim:
             pos = text.find(matched)
             text = text[:pos] if pos != -1 else text
         return text
     if isinstance(matched, int) and not no_stop_trim:
-        return detokenize(output_ids[:-1], skip_special)
-    return detokenize(output_ids, skip_special)
+        return detokenize(output_ids[:-1], skip_special, thinking)
+    return detokenize(output_ids, skip_special, thinking)
 
 
 class _Autoregressive:
@@ -154,6 +187,10 @@ class _Autoregressive:
     def eos(self) -> bool:
         return int.from_bytes(self.state[8:], "little") % self.eos_every == 0
 
+    def closes_thought(self) -> bool:
+        """A third of the way to the expected end, on average: the thought closes here."""
+        return int.from_bytes(self.state[4:12], "little") % max(1, self.eos_every // 3) == 0
+
     def randrange(self, low: int, high: int) -> int:
         return low + int.from_bytes(self.state[:8], "little") % (high - low)
 
@@ -165,6 +202,7 @@ def generate(
     min_len: int = DEFAULT_MIN_LEN,
     max_len: int = DEFAULT_MAX_LEN,
     autoregressive: bool = False,
+    thinking: Thinking | None = None,
 ) -> Generation:
     """Generate the deterministic answer to input_ids.
 
@@ -176,7 +214,9 @@ def generate(
     means the SGLang default (128); the server resolves it against the context before calling.
     Token i depends only on (prompt, seed, i), so a shorter limit yields a prefix of a longer one.
     ``autoregressive``: token i depends on every id before it (:class:`_Autoregressive`); greedy
-    (temperature 0) ignores the seed there, as a real engine's argmax does.
+    (temperature 0) ignores the seed there, as a real engine's argmax does. ``thinking``: a
+    prompt that leaves a thought open gets it closed partway (:class:`Thinking`), at a third of
+    the natural length (autoregressive: where the state says, so pieces still equal one shot).
     """
     params = sampling_params or {}
     if not 1 <= min_len <= max_len:
@@ -197,7 +237,8 @@ def generate(
     else:
         rng = random.Random(_stream_seed(input_ids, params.get("sampling_seed"), _shaping(params)))
         eos_pos = max(rng.randint(min_len, max_len) - 1, min_new)
-    words = len(_WORDS)
+    thinking_open = thinking is not None and thinking.opened(input_ids)
+    close_at = max(1, eos_pos // 3)
     output_ids: list[int] = []
     text = "" if stop_strs else None  # built only when stop strings must be matched
     max_stop_len = max(map(len, stop_strs), default=0)
@@ -209,12 +250,15 @@ def generate(
             matched = EOS_TOKEN_ID
             break
         token = rng.randrange(FIRST_WORD_ID, VOCAB_SIZE)
+        if thinking_open and (rng.closes_thought() if isinstance(rng, _Autoregressive) else pos == close_at):
+            token, thinking_open = thinking.end_id, False  # type: ignore[union-attr]
         output_ids.append(token)
         if isinstance(rng, _Autoregressive):
             rng.push(token)
         if text is not None:
-            piece = _WORDS[token % words]
-            text = f"{text} {piece}" if text else piece
+            piece = detokenize([token], bool(params.get("skip_special_tokens", True)), thinking)
+            if piece:
+                text = f"{text} {piece}" if text else piece
         if pos < min_new:
             continue
         if token in stop_ids:
@@ -230,7 +274,9 @@ def generate(
         finish_reason: dict[str, Any] = {"type": "length", "length": limit}
     else:
         finish_reason = {"type": "stop", "matched": matched}
-    final_text = _trimmed_text(output_ids, matched, params, text if isinstance(matched, str) else None)
+    final_text = _trimmed_text(
+        output_ids, matched, params, text if isinstance(matched, str) else None, thinking
+    )
     return Generation(output_ids, final_text, finish_reason, len(output_ids))
 
 

@@ -127,7 +127,11 @@ def chat_body(
 ) -> dict[str, Any]:
     """A chat.completion body for a finished (or aborted) generation."""
     output_ids = served.output_ids
-    text = model.detokenize(output_ids, skip_special) if served.abort_message else served.gen.text  # type: ignore[union-attr]
+    text = (
+        model.detokenize(output_ids, skip_special, state.config.thinking)
+        if served.abort_message
+        else served.gen.text  # type: ignore[union-attr]
+    )
     finish, stop_reason = finish_of(served)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if state.config.reasoning_parser:

@@ -83,7 +83,7 @@ async def _answer(
             "status_code": None,
             "err_type": None,
         }
-        text = model.detokenize(output_ids, skip)
+        text = model.detokenize(output_ids, skip, state.config.thinking)
     else:
         output_ids, finish, text = served.gen.output_ids, served.gen.finish_reason, served.gen.text
         if served.fault == "nan" and state.quirks.nan_check:

@@ -166,7 +166,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     output_ids = served.output_ids
     finish, stop_reason = finish_of(served)
     skip = params.get("skip_special_tokens", True)
-    text = served.gen.text if served.abort_message is None else model.detokenize(output_ids, skip)  # type: ignore[union-attr]
+    text = (
+        served.gen.text  # type: ignore[union-attr]
+        if served.abort_message is None
+        else model.detokenize(output_ids, skip, state.config.thinking)
+    )
     choice: dict[str, Any] = {
         "index": 0,
         "text": text,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from genq.sim.tokenizers import SENTENCES
 from tests.helpers import Procs, log_of, read_jsonl
 
 SPECIAL = ["<unk>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -24,13 +25,7 @@ TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}"
     "{% endif %}"
 )
-CORPUS = [
-    "You are a helpful assistant.",
-    "What is the capital of France? Paris is the capital of France.",
-    "Write a haiku about the sea. The sea is wide and deep and blue.",
-    "Explain recursion in one sentence. A function that calls itself.",
-    "hello world, how are you today? I am fine, thank you.",
-]
+CORPUS = SENTENCES  # the stand-in tokenizers' sentences (genq/sim/tokenizers.py)
 
 
 def build_tokenizer(path: Path) -> Path:

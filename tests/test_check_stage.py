@@ -135,7 +135,12 @@ def test_k_accepted_per_prompt_within_m_samples(procs, start_sim, out, tmp_path)
     assert procs.run("export", out, "--format", "parquet", "--license", "mit").returncode == 0
     shards = sorted((out / "maths").glob("records-*.parquet"))
     assert sum(pq.read_metadata(shard).num_rows for shard in shards) == len(accepted)
-    assert f"Checked: {len(accepted):,} samples accepted" in (out / "maths" / "README.md").read_text()
+    card = (out / "maths" / "README.md").read_text()
+    assert f"Checked: {len(accepted):,} samples accepted" in card
+    # How to make it again: the commands that were run, the checker's with its options.
+    assert f"| samples per prompt | {k} accepted of at most {m} samples |" in card, card
+    again = card.split("## How to make it again", 1)[1]
+    assert "Enqueued with:" in again and "Judged with:" in again and "\ngenq check " in again, again
     shown = procs.run("status").stdout
     assert "check" in shown and f"{len(accepted):,}" in shown, shown
     # Each drawn sample generated once, and nothing else but the worker's start-up probe.
@@ -389,6 +394,13 @@ def test_genq_run_takes_the_check_stage_and_genq_check_attaches_to_its_folder(tm
         drawn, ok = got[r["row"]]
         got[r["row"]] = (drawn + 1, ok + (r["check"]["status"] == "accepted"))
     assert got == expected("ran", rows, k, m)
+    export = genq_argv("export", out, "--format", "parquet")
+    exported = subprocess.run(export, capture_output=True, text=True, env=env, timeout=120)
+    assert exported.returncode == 0, exported.stderr
+    again = (out / "ran" / "README.md").read_text().split("## How to make it again", 1)[1]
+    assert "Made with one command" in again and "\ngenq run " in again, again
+    assert "--check user_checks:third" in again, again
+    assert "Enqueued with" not in again, again
     attach = [*genq_argv("check", "--out", out, "--check", "user_checks:third", "--burst")]
     res = subprocess.run(attach, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert res.returncode == 0 and "has ended" in res.stderr, res.stderr[-2000:]
@@ -448,18 +460,108 @@ def test_a_checker_that_fails_on_every_record_holds_its_dataset_and_draws_nothin
     assert set(filed_early) <= {"check_failed"} and filed_early.get("check_failed", 0) < FAILS_IN_A_ROW
     flag.unlink()  # fixed
     counts = check_settled(procs, "held", 120)
-    for proc in roles:
-        assert stop(proc, timeout=60) == 0, log_of(proc)
     assert "the hold is lifted" in log_of(log), log_of(log)
     assert not any(said in w for w in status_json(procs)["warnings"])
+    # The few filed check_failed before the hold drew nothing; judged again by the fixed checker.
     accepted, others = outcome(out, "held")
     failed = {r["row"] for r in others if r["check"]["status"] == "check_failed"}
-    got = {row: (0, 0) for row in range(rows) if row not in failed}
-    for r in accepted + others:
-        if r["row"] in got:
-            drawn, ok = got[r["row"]]
-            got[r["row"]] = (drawn + 1, ok + (r["check"]["status"] == "accepted"))
-    assert got == {row: v for row, v in expected("held", rows, k, m).items() if row not in failed}
-    # A failed check draws nothing: those prompts end with their one sample, filed check_failed.
     assert all(sum(1 for r in accepted + others if r["row"] == row) == 1 for row in failed)
     assert counts["verdicts"].get("check_failed", 0) == len(failed) < FAILS_IN_A_ROW
+    assert procs.run("retry", "--check-failed").returncode == 0
+    check_settled(procs, "held", 120)
+    for proc in roles:
+        assert stop(proc, timeout=60) == 0, log_of(proc)
+    accepted, others = superseded(out, "held")
+    got = {row: (0, 0) for row in range(rows)}
+    for r in accepted + others:
+        drawn, ok = got[r["row"]]
+        got[r["row"]] = (drawn + 1, ok + (r["check"]["status"] == "accepted"))
+    assert got == expected("held", rows, k, m), "every prompt as the fixed checker implies"
+    assert sim_stats(url)["generations"] - 1 == sum(drawn for drawn, _ in got.values()), "each sample once"
+
+
+FAILS_ON_SOME = textwrap.dedent(
+    """
+    import os
+    from user_checks import third
+
+    def judge(record):
+        if record["row"] % 10 == 0 and os.path.exists(os.environ["BROKEN_FLAG"]):
+            raise RuntimeError("no sandbox for this one")
+        return third(record)
+    """
+)
+
+
+def superseded(out, dataset: str) -> tuple[list[dict], list[dict]]:
+    """The accepted and the other records of ``dataset``, each id's last line (a record judged
+    again supersedes its check_failed line, whichever file holds it)."""
+    last: dict[str, dict] = {}
+    for name in ("rejected_samples.jsonl", "raw_responses.jsonl"):
+        for r in read_jsonl(out / dataset / name):
+            if r["id"] not in last or r.get("rejudged", 0) > last[r["id"]].get("rejudged", 0):
+                last[r["id"]] = r
+    accepted = [r for r in last.values() if r["check"]["status"] == "accepted"]
+    return accepted, [r for r in last.values() if r["check"]["status"] != "accepted"]
+
+
+@pytest.mark.timeout(300)
+def test_records_the_checker_failed_on_are_judged_again_once_it_is_fixed(procs, start_sim, out, tmp_path):
+    """A checker that fails on some records (every tenth row's): they are filed check_failed and
+    draw nothing; `genq failed` lists them; once the checker is fixed, `genq retry --check-failed`
+    has them judged again without generating anything again: every prompt then ends as the fixed
+    checker implies, the server generated each drawn sample once, verify and stats agree."""
+    (tmp_path / "user_checks.py").write_text(CHECKS)
+    (tmp_path / "some_checks.py").write_text(FAILS_ON_SOME)
+    flag = tmp_path / "broken"
+    flag.touch()
+    env = {"PYTHONPATH": str(tmp_path), "BROKEN_FLAG": str(flag)}
+    rows, k, m = 60, 1, 3
+    data = tmp_path / "again.jsonl"
+    write_prompts(data, rows)
+    url = start_sim("--latency", "zero")
+    enqueued = procs.run("enqueue", data, "--max-new-tokens", "16", "--accept", k, "--max-samples", m)
+    assert enqueued.returncode == 0, enqueued.stderr
+    roles = [
+        procs.start("worker", "--server", url, "--concurrency", "8"),
+        procs.start("check", "--check", "some_checks:judge", "--max-check-attempts", "2", env=env),
+        procs.start("collect", "--out", out),
+    ]
+    counts = check_settled(procs, "again", 120)
+    failing = {row for row in range(rows) if row % 10 == 0}
+    assert counts["verdicts"]["check_failed"] == len(failing), counts
+    listed = orjson.loads(procs.run("failed", "--json").stdout)["check_failed"]["again"]
+    assert listed["count"] == len(failing) and {c["id"] for c in listed["last"]} == {
+        record_id("again", row, 0, m) for row in failing
+    }, listed
+    assert "no sandbox for this one" in listed["last"][0]["reason"]
+    assert "then genq retry --check-failed" in " ".join(procs.run("failed").stdout.split())
+
+    flag.unlink()  # the checker fixed
+    sent = procs.run("retry", "--check-failed")
+    assert sent.returncode == 0, sent.stderr
+    assert f"again: {len(failing)} records the checker failed on sent to be judged again" in sent.stdout
+    counts = check_settled(procs, "again", 120)
+    assert "check_failed" not in counts["verdicts"], counts
+    nothing = procs.run("retry", "--check-failed")
+    assert "again: 0 records" in nothing.stdout, "sent once"
+    for proc in roles:
+        assert stop(proc, timeout=60) == 0, log_of(proc)
+    accepted, others = superseded(out, "again")
+    got = {row: (0, 0) for row in range(rows)}
+    for r in accepted + others:
+        drawn, ok = got[r["row"]]
+        got[r["row"]] = (drawn + 1, ok + (r["check"]["status"] == "accepted"))
+    assert got == expected("again", rows, k, m)
+    judged_again = [r for r in accepted + others if r.get("rejudged")]
+    assert {r["row"] for r in judged_again} == failing and all(r["sample"] == 0 for r in judged_again)
+    # Nothing generated again: each drawn sample once, and the worker's start-up probe.
+    assert sim_stats(url)["generations"] - 1 == sum(drawn for drawn, _ in got.values())
+    assert_verified(procs, out, data)
+    from_files = orjson.loads(procs.run("stats", out, "--json").stdout)["datasets"]["again"]
+    assert from_files["check"]["verdicts"] == {
+        s: n for s, n in (("accepted", len(accepted)), ("rejected", len(others))) if n
+    }, from_files["check"]
+    assert from_files["records"] == len(accepted) + len(others), "a record judged again counted once"
+    tokens = status_json(procs)["datasets"]["again"]
+    assert tokens["completion_tokens"] == sum(r["completion_tokens"] for r in accepted + others), tokens

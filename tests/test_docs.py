@@ -61,6 +61,8 @@ EXTERNAL = {
     "--signal": "sbatch",
     # pytest-xdist (docs/design.md, Testing)
     "--dist": "pytest-xdist",
+    # the Hugging Face Hub's CLI
+    "--include": "hf download",
     # podman, podman-compose, systemd, pip, redis-server
     "--build": "podman-compose",
     "--build-arg": "podman build",
@@ -205,7 +207,10 @@ def test_the_recipes_run_as_written(tmp_path, job):
     port = str(free_port())
     for name in ("examples", "tests"):
         (tmp_path / name).symlink_to(ROOT / name)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    # The recipe puts genq on PATH itself (`. .venv/bin/activate`): the shell is given none.
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "genq").exists())
+    env = {**os.environ, "PATH": path}
     res = subprocess.run(
         ["bash", "-euc", script.replace("18000", port)],
         cwd=tmp_path,
@@ -224,6 +229,18 @@ def test_the_recipes_run_as_written(tmp_path, job):
         for i in range(10):
             rows = read_jsonl(tmp_path / "out-b" / f"set{i}" / "tokenized_data.jsonl")
             assert len(rows) == 20 and all(len(r["input_ids"]) == len(r["loss_mask"]) for r in rows)
+            # Split at the simulator's </think> (the ids the recipe gives are the stand-in's).
+            records = read_jsonl(tmp_path / "out-b" / f"set{i}" / "raw_responses.jsonl")
+            assert all(r["reasoning"] and r["content"] for r in records), records[0]
+        # What it leaves in the repository's root is git-ignored (and so out of the lint's way).
+        left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out"))
+        ignored = subprocess.run(
+            ["git", "check-ignore", "--no-index", *(f"{name}/" for name in left)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert [p.rstrip("/") for p in ignored.stdout.split()] == left, (left, ignored.stdout, ignored.stderr)
 
 
 # -- the messages the docs quote --------------------------------------------------------------------

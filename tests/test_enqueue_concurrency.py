@@ -5,12 +5,14 @@ from __future__ import annotations
 import re
 import subprocess
 
+import orjson
 from rq import Queue
 
 from genq.keys import Keys
 from tests.helpers import (
     genq_argv,
     log_of,
+    sigkill,
     sim_stats,
     status_json,
     stop,
@@ -150,6 +152,12 @@ def test_a_dataset_enqueued_without_prints_gets_them_then(procs, conn, namespace
     res = procs.run("enqueue", data)
     assert res.returncode == 0 and "enqueued 0, skipped 20" in res.stdout, res.stderr
     assert conn.hexists(Keys(namespace).sources("old"), "0")
+    # The print an older genq wrote (a running blake2b of every row): recorded afresh, said so.
+    older = {"file": data.name, "rows": 20, "blake2b": "00" * 16}
+    conn.hset(Keys(namespace).sources("old"), "0", orjson.dumps(older))
+    res = procs.run("enqueue", data)
+    assert res.returncode == 0 and "source prints of an older genq (files 0)" in res.stderr, res.stderr
+    assert "terms" in orjson.loads(conn.hget(Keys(namespace).sources("old"), "0"))
     write_prompts(data, 20, start=100)
     assert procs.run("enqueue", data).returncode != 0
 
@@ -223,3 +231,66 @@ def test_each_file_of_a_glob_and_a_saved_dataset_is_known_by_content(procs, conn
     datasets.Dataset.from_dict({"prompt": [f"q{i}" for i in range(12)], **column}).save_to_disk(elsewhere)
     res = procs.run("enqueue", elsewhere)
     assert res.returncode != 0 and "the first 12 rows of this file are not the 12 rows" in res.stderr
+
+
+def test_rows_refused_then_fixed_in_place_are_taken_in_and_counted_once(procs, conn, namespace, tmp_path):
+    """The way the rejection's hint says (fix them and run again): a row refused for its JSON (read
+    time) and one refused for its sampling (checked after reading) are enqueued once fixed, with no
+    --replace-settings; the ledger then counts 10 rows read, none rejected; a row taken in is known
+    by content from then on, and a row still refused keeps counting as refused."""
+
+    def row(i: int, max_tokens: int = 64) -> bytes:
+        body = {"model": "m", "prompt": f"prompt {i}", "max_tokens": max_tokens}
+        return orjson.dumps({"custom_id": f"c-{i}", "method": "POST", "url": "/v1/completions", "body": body})
+
+    data = tmp_path / "fixed.jsonl"
+    good = [row(i) for i in range(10)]
+    data.write_bytes(b"\n".join(good[:3] + [b"{not json"] + good[4:6] + [row(6, 999)] + good[7:]) + b"\n")
+    first = procs.run("enqueue", data, "--allow-rejects")
+    assert first.returncode == 0 and "enqueued 8, skipped 0, rejected 2" in first.stdout, first.stderr
+    ledger = status_json(procs)["datasets"]["fixed"]
+    assert (ledger["total"], ledger["rejected"]) == (8, 2), ledger
+
+    data.write_bytes(b"\n".join(good[:6] + [row(6, 999)] + good[7:]) + b"\n")  # row 3 fixed, row 6 not
+    second = procs.run("enqueue", data, "--allow-rejects")
+    assert second.returncode == 0 and "enqueued 1, skipped 8, rejected 1" in second.stdout, second.stderr
+    data.write_bytes(b"\n".join(good) + b"\n")  # row 6 fixed too
+    third = procs.run("enqueue", data)
+    assert third.returncode == 0 and "enqueued 1, skipped 9, rejected 0" in third.stdout, third.stderr
+    counts = status_json(procs)["datasets"]["fixed"]
+    assert (counts["total"], counts["rejected"]) == (10, 0), counts
+    assert _queued(conn, namespace, "fixed") == 10
+
+    again = procs.run("enqueue", data)
+    assert again.returncode == 0 and "enqueued 0, skipped 10" in again.stdout, again.stderr
+    data.write_bytes(b"\n".join(good[:3] + [row(33)] + good[4:]) + b"\n")  # a row taken in, changed
+    changed = procs.run("enqueue", data)
+    assert changed.returncode != 0 and f"{data}:10: the first 10 rows" in changed.stderr, changed.stderr
+    assert _queued(conn, namespace, "fixed") == 10
+
+
+def test_an_enqueue_of_fixed_rows_killed_midway_is_resumed_by_the_next(procs, conn, namespace, tmp_path):
+    """The print and the rejected bits move in one MULTI: an enqueue taking in 3,000 fixed rows,
+    killed while it waits at its --max-queued bound, leaves a print the next enqueue accepts (no
+    refusal), and that one queues the rest: each of the 6,000 rows once, none counted rejected."""
+    data = tmp_path / "half.jsonl"
+    write_prompts(data, 6000)
+    rows = data.read_bytes().splitlines(keepends=True)
+    data.write_bytes(b"".join(line if i % 2 == 0 else b"{broken\n" for i, line in enumerate(rows)))
+    first = procs.run("enqueue", data, "--allow-rejects", timeout=120)
+    assert first.returncode == 0 and "enqueued 3000, skipped 0, rejected 3000" in first.stdout, first.stderr
+    data.write_bytes(b"".join(rows))
+    keys = Keys(namespace)
+    queue = Queue(keys.queue_name("half"), connection=conn, serializer="json")
+    bounded = procs.start("enqueue", data, "--max-queued", "4000")
+    wait_until(lambda: conn.llen(queue.key) >= 3500, 60, "the fixed rows' first pushes")
+    sigkill(bounded)
+    assert conn.llen(queue.key) < 6000
+    resumed = procs.run("enqueue", data, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert conn.llen(queue.key) == 6000
+    ids = [job.decode() for job in conn.lrange(queue.key, 0, -1)]
+    assert len(set(ids)) == 6000, "each row queued once"
+    assert (conn.bitcount(keys.enqueued("half")), conn.bitcount(keys.rejected("half"))) == (6000, 0)
+    again = procs.run("enqueue", data)
+    assert again.returncode == 0 and "enqueued 0, skipped 6000" in again.stdout, again.stderr

@@ -53,6 +53,11 @@ def test_monitor_frame_of_a_run_fits_80_columns_and_agrees_with_status(procs, st
     for name, n in (("alpha", 40), ("beta", 25), ("big", 1)):  # read, then where each row went
         assert ledger[name][1] == str(n) and sum(map(int, ledger[name][2:])) == n, frame
     assert ledger["big"][2:] == ["0", "0", "0", "1", "0", "0"], "stopped, continued, cut, failed, ..."
+    # One word, one meaning on status's screen: the ledger's "cut" (ended on length), the tokens
+    # table's "capped" (stopped below the max_new_tokens asked).
+    wide = procs.run("status").stdout
+    words = [line.replace("│", " ").split() for line in wide.splitlines()]
+    assert sum(w.count("cut") for w in words) == 1 and sum(w.count("capped") for w in words) == 1, wide
     assert lines["alpha"][2:5] == ["100%", "40/40", "0"], frame
     assert lines["beta"][2:5] == ["100%", "25/25", "0"], frame
     assert lines["big"][2:5] == ["100%", "1/1", "1"], frame

@@ -242,3 +242,29 @@ def test_a_kill_costs_at_most_the_piece_in_flight(procs, out, tmp_path, report):
         assert generated == owed + probes, "the new server generated again what the checkpoints held"
     finally:
         sim.kill()
+
+
+def test_a_thought_closed_partway_is_the_same_in_pieces_as_in_one_shot():
+    """The simulator's reasoning model (--think-ids) closes a thought its prompt leaves open once,
+    where its state says: an output made in pieces of 16 still equals the one-shot output, its
+    </think> included, and a prompt whose thought is closed already gets none."""
+    from genq.sim.model import Thinking
+
+    thinking, start, end = Thinking(422, 423), 422, 423
+    closed = 0
+    for k in range(40):
+        prompt = [300 + k, 301, start]
+        params = {"max_new_tokens": UPTO, "temperature": 0}
+        whole = generate(prompt, params, min_len=LENGTHS[0], max_len=LENGTHS[1], autoregressive=True,
+                         thinking=thinking).output_ids  # fmt: skip
+        assert whole.count(end) <= 1
+        closed += end in whole
+        pieced: list[int] = []
+        while len(pieced) < len(whole) and (not pieced or pieced[-1] != 2):
+            step = {**params, "max_new_tokens": PIECE}
+            pieced += generate(prompt + pieced, step, min_len=LENGTHS[0], max_len=LENGTHS[1],
+                               autoregressive=True, thinking=thinking).output_ids  # fmt: skip
+        assert pieced[: len(whole)] == whole, k
+        again = generate([300 + k, start, 7, end], params, thinking=thinking).output_ids
+        assert end not in again, "a closed thought is not closed again"
+    assert closed >= 30, f"most thoughts close within {UPTO} tokens: {closed} of 40"

@@ -4,11 +4,14 @@ collector beside the records and rewritten after any restart."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import huggingface_hub
 import orjson
 
 from genq import __version__
-from tests.helpers import log_of, read_jsonl, status_json, write_prompts
+from tests.helpers import genq_argv, log_of, read_jsonl, status_json, write_prompts
 from tests.hub import Hub
 
 
@@ -78,10 +81,13 @@ def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums
     card = huggingface_hub.DatasetCard.load(out / "prov" / "README.md")
     assert card.data.license == "apache-2.0" and card.data.pretty_name == "prov"
     assert card.data.task_categories == ["text-generation"] and card.data.size_categories == ["n<1K"]
+    # `datasets` reads a folder with one builder (its first config's file type): the configs are
+    # the last export's kind, each loading; the other kind is named with the line that loads it.
     configs = {c["config_name"]: c for c in card.data.configs}
-    assert configs["eagle3"]["data_files"] == [{"split": "train", "path": "tokenized_data.jsonl"}]
+    assert set(configs) == {"parquet"} and configs["parquet"].get("default"), configs
     assert configs["parquet"]["data_files"][0]["path"] == "records-*-of-*.parquet"
-    assert configs["parquet"].get("default") and not configs["eagle3"].get("default"), "the last export"
+    assert "- eagle3: `datasets.load_dataset('json', data_files='tokenized_data.jsonl')`" in card.text
+    _every_config_loads(out / "prov", len(prompts), tmp_path / "hf-cache")
     rejects = "Rejected at the last enqueue, by reason: 2: "
     for shown in (
         "org/model-a",
@@ -138,3 +144,30 @@ def test_provenance_names_servers_and_models_and_its_totals_are_the_records_sums
         assert refused.returncode == 1, refused.stderr
         (said,) = [line for line in refused.stderr.splitlines() if line.strip()]
         assert said.startswith("Error: the Hub refused the push of someone/prov-data:"), said
+
+
+def _every_config_loads(folder, rows: int, cache) -> None:
+    """Each config of the folder's card loads through `datasets`, the default too, and so does each
+    line the card gives for the exports of the other file type; then the same the other way round."""
+    import datasets
+
+    def check() -> None:
+        card = huggingface_hub.DatasetCard.load(folder / "README.md")
+        for config in [None, *(c["config_name"] for c in card.data.configs)]:
+            loaded = datasets.load_dataset(str(folder), config, cache_dir=str(cache))
+            assert loaded["train"].num_rows == rows, (config, loaded)
+        for line in card.text.splitlines():
+            if line.startswith("- ") and "datasets.load_dataset(" in line:
+                kind, path = line.split("load_dataset(", 1)[1].split("'")[1::2][:2]
+                loaded = datasets.load_dataset(kind, data_files=str(folder / path), cache_dir=str(cache))
+                assert loaded["train"].num_rows == rows, (line, loaded)
+
+    check()
+    made = subprocess.run(
+        genq_argv("export", folder.parent, "--format", "eagle3", "--include-truncated"),
+        capture_output=True, text=True, timeout=120, env=os.environ.copy(),
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    card = huggingface_hub.DatasetCard.load(folder / "README.md")
+    assert [c["config_name"] for c in card.data.configs] == ["eagle3"] and "- parquet: " in card.text
+    check()

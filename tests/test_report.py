@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections import Counter
-from datetime import datetime
+from datetime import UTC, datetime
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -125,7 +125,7 @@ def test_report_shows_the_files_numbers_escaped_and_self_contained(procs: Procs,
     assert hand["tables"]["numbers"] == {
         "records": ["21"],
         "failed": ["3"],
-        "cut": [str(sum("finish_length" in r for r in recs))],
+        "capped": [str(sum("finish_length" in r for r in recs))],
         "prompt tokens": [f"{sum(r['prompt_tokens'] for r in recs):,}"],
         "completion tokens": [f"{sum(r['completion_tokens'] for r in recs):,}"],
         "unrecognized lines": ["0"],
@@ -139,13 +139,19 @@ def test_report_shows_the_files_numbers_escaped_and_self_contained(procs: Procs,
     assert bars[0] == "10–29 tokens: 2 records" and bars[-1] == "390–409 tokens: 1 records", bars
     assert sum(int(re.search(r": (\d+) records", b)[1]) for b in bars) == 21
 
-    per_minute = Counter()
-    for r in recs:
-        if "finished_at" in r:
-            per_minute[r["finished_at"][11:16]] += r["completion_tokens"]
-    minutes = ("00:10", "00:11", "00:12", "00:13")  # 00:12: a real 0, drawn
-    expected = [f"2026-12-02 {m} UTC: {per_minute[m]:,} tokens/min" for m in minutes]
-    assert hand["charts"]["completion tokens per minute"] == expected
+    # Finished from 00:10:05 to 00:13:43: 219 s drawn in 2-s bars (the narrowest that fit in 120),
+    # each bucket that saw nothing a real 0 (00:12 holds none).
+    timed = [r for r in recs if "finished_at" in r]
+    per_bucket = Counter()
+    for r in timed:
+        per_bucket[int(datetime.fromisoformat(r["finished_at"]).timestamp()) // 2] += r["completion_tokens"]
+    span = range(min(per_bucket), max(per_bucket) + 1)
+    expected = [
+        f"{datetime.fromtimestamp(b * 2, UTC):%Y-%m-%d %H:%M:%S} UTC: {per_bucket[b] / 2:,.1f} tokens/s"
+        for b in span
+    ]
+    assert hand["charts"]["completion tokens per second"] == expected
+    assert len(expected) == 110 and "one bar per 2 s" in hand["notes"]
     assert "1 of 21 records are not in it (no finished_at)" in hand["notes"]
 
     latencies = [r["latency_s"] for r in recs if "latency_s" in r]
@@ -173,11 +179,11 @@ def test_report_shows_the_files_numbers_escaped_and_self_contained(procs: Procs,
 
     tool = page.sections[TOOL]
     assert tool["tables"]["numbers"]["records"] == ["2"]
-    assert tool["tables"]["numbers"]["cut"] == ["unknown"], "another tool's records cannot say"
+    assert tool["tables"]["numbers"]["capped"] == ["unknown"], "another tool's records cannot say"
     assert tool["tables"]["attempts"] == {"unknown": ["2"]}
     assert "unknown: the records carry no latency" in tool["notes"]
     assert "unknown: no record says when it finished (finished_at)" in tool["notes"]
-    assert not tool["charts"].get("completion tokens per minute")
+    assert not tool["charts"].get("completion tokens per second")
 
     run = page.sections["run"]["tables"]["totals"]
     assert run["records"] == ["23"] and run["failed"] == ["3"]
@@ -205,12 +211,29 @@ def test_report_of_a_simulated_run(procs: Procs, start_sim, out, tmp_path):
     numbers = sim["tables"]["numbers"]
     assert numbers["records"] == [f"{len(recs):,}"]
     assert numbers["failed"] == [f"{len(errs):,}"]
-    assert numbers["cut"] == [f"{len(cut):,}"]
+    assert numbers["capped"] == [f"{len(cut):,}"]
     assert numbers["completion tokens"] == [f"{sum(r['completion_tokens'] for r in recs):,}"]
-    minutes = [datetime.fromisoformat(r["finished_at"]).timestamp() // 60 for r in recs]
-    assert len(sim["charts"]["completion tokens per minute"]) == max(minutes) - min(minutes) + 1
+    # A run of seconds is drawn by the second (the report scales its bars to the run).
+    seconds = [int(datetime.fromisoformat(r["finished_at"]).timestamp()) for r in recs]
+    assert len(sim["charts"]["completion tokens per second"]) == max(seconds) - min(seconds) + 1
+    assert "one bar per 1 s" in sim["notes"]
     lengths = sim["charts"]["completion length histogram"]
     assert sum(int(re.search(r": (\d+) records", b)[1]) for b in lengths) == len(recs), lengths
     sends = Counter(r["attempts"] for r in recs)
     shown = {f"{n} send" + "s" * (n > 1): [str(c)] for n, c in sorted(sends.items())}
     assert sim["tables"]["attempts"] == shown
+
+
+def test_a_timeline_keeps_a_week_in_bounded_buckets_and_every_token():
+    """A record a minute for a week: the timeline coarsens as it grows (never over MAX_BUCKETS) and
+    loses no token; the report draws it in at most 120 bars, as wide as needed and no wider."""
+    from genq.outputs.report import MAX_BARS, throughput
+    from genq.outputs.stats import MAX_BUCKETS, Timeline
+
+    timeline, start = Timeline(), 1_800_000_000.0
+    for minute in range(7 * 24 * 60):
+        timeline.add(start + minute * 60 + 0.5, 3)
+        assert len(timeline.buckets) <= MAX_BUCKETS
+    bars, width = throughput(timeline)
+    assert len(bars) <= MAX_BARS and width == 7200, (len(bars), width)  # 2 h: the first that fits
+    assert sum(b.value * width for b in bars) == 3 * 7 * 24 * 60

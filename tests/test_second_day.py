@@ -234,8 +234,38 @@ def test_a_cut_output_file_is_made_whole_again_after_verify_repair(tmp_path, sta
     stdout, stderr = _finish(last)
     assert last.returncode == 0, stderr[-3000:]
     assert "gone: 40 done, 0 failed of 40" in stdout, stdout
+    assert "completion tokens" in stdout, stdout  # the counters were derived again from the files
     check_records(out, "gone", prompts, PARAMS)
+    looked = subprocess.run(
+        [GENQ, "status", "--out", str(out), "--json"], capture_output=True, text=True, env=env, check=True
+    )
+    gone = orjson.loads(looked.stdout)["datasets"]["gone"]
+    on_disk = [orjson.loads(line) for line in raw.read_bytes().splitlines()]
+    assert gone["completion_tokens"] == sum(r["completion_tokens"] for r in on_disk), gone
+    assert gone["ledger"] is not None, gone
     # Generated again: exactly the missing rows, once each (probes aside).
     rids = [rid for rid in sim_get(url, "/sim/rids")[before:] if not rid.startswith("genq-probe.")]
     rows = sorted(int(rid.split(".", 1)[0].rsplit("-", 1)[1]) for rid in rids)
     assert rows == missing, f"generated again: {rows}, missing were {missing}"
+
+
+@pytest.mark.timeout(300)
+def test_a_trial_run_with_limit_then_the_whole_run(tmp_path, start_sim):
+    """`genq run --limit 10`: the first 10 rows made and verified (the rest is not missing); the
+    same run without --limit makes the other 20, each once (the server's request ids counted)."""
+    url = start_sim()
+    data = tmp_path / "trial.jsonl"
+    prompts = write_prompts(data, 30)
+    out = tmp_path / "out"
+    stdout, stderr = _finish(first := _run(data, out, "--limit", "10", server=url))
+    assert first.returncode == 0, stderr[-3000:]
+    assert "trial: 10 done, 0 failed of 10" in stdout, stdout
+    assert "20 rows after the first 10 not read yet" in stdout + stderr, stdout + stderr
+    assert len(written_lines(out / "trial" / "raw_responses.jsonl")) == 10
+    before = len(sim_get(url, "/sim/rids"))
+    stdout, stderr = _finish(whole := _run(data, out, server=url))
+    assert whole.returncode == 0, stderr[-3000:]
+    assert "trial: 30 done, 0 failed of 30" in stdout, stdout
+    check_records(out, "trial", prompts, PARAMS)
+    rids = [rid for rid in sim_get(url, "/sim/rids")[before:] if not rid.startswith("genq-probe.")]
+    assert sorted(int(rid.split(".", 1)[0].rsplit("-", 1)[1]) for rid in rids) == list(range(10, 30))

@@ -367,9 +367,9 @@ def test_outputs_the_server_cut_short_are_marked_and_counted(procs, start_sim, o
     expected = sum(natural_length(p, 8, 200) > 40 for p in prompts)
     assert len(cut) == expected > 10
     assert all(r["finish_reason"] == "length" and r["completion_tokens"] == 40 for r in cut)
-    assert status_json(procs)["datasets"]["cut"]["cut"] == expected
+    assert status_json(procs)["datasets"]["cut"]["capped"] == expected
     stats = orjson.loads(procs.run("stats", out, "--json").stdout)
-    assert stats["datasets"]["cut"]["cut"] == expected
+    assert stats["datasets"]["cut"]["capped"] == expected
 
 
 def test_ignored_seeds_are_said_at_start_and_in_status(procs, start_sim, out, tmp_path):

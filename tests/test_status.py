@@ -115,7 +115,7 @@ def test_status_reads_known_counters_exactly(conn, namespace):
         "prompt_tokens": 30,
         "completion_tokens": 1600,
         "avg_completion_tokens": 533.3,
-        "cut": 1,
+        "capped": 1,
         "tokens_per_s": round(recent, 1),
         "tokens_per_s_since_start": 4.0,  # 1,600 in the 400 s since the first record
         "eta_s": round(6 * (1600 / 3) / recent, 1),

@@ -1,7 +1,7 @@
 """The model genq was built for, end to end (Kimi-K2.5): every tokenizer layout users meet, its
 template's thinking switch, tool-use rows, and the tokenizer shipped as code, run only with this
 host's consent (--trust-remote-code), never Redis's. The tokenizers are built here
-(tests/tokenizer_layouts.py)."""
+(genq/sim/tokenizers.py, `genq sim-tokenizer`)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import pytest
 from rq import Queue
 
 from genq.keys import Keys
+from genq.sim.tokenizers import LAYOUTS, build
 from genq.templates import ChatTemplate, RemoteCodeRefused
 from tests.helpers import genq_argv, log_of, read_jsonl, status_json, write_jsonl
-from tests.tokenizer_layouts import LAYOUTS, build
 
 TOOLS = [
     {

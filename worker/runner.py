@@ -58,7 +58,8 @@ class JobRunner:
         self.commits = commits
         self._backend = backend
         self.finish = finish
-        self._templates: dict[bytes, ChatTemplate] = {}  # chat templates of conversation datasets
+        self._templates: dict[bytes, ChatTemplate] = {}  # chat templates by what names them
+        self._named: set[tuple[str, bytes]] = set()  # (dataset, template) checked against its settings
         self._template_lock = asyncio.Lock()
         # dataset -> its tokenizer on this host, for answers without text; None: it has none here.
         self._decoders: dict[str, ChatTemplate | None] = {}
@@ -216,12 +217,16 @@ class JobRunner:
         return await self._load_template(spec.dataset, spec.template or {})
 
     async def _load_template(self, dataset: str, named: dict[str, Any]) -> ChatTemplate:
-        key = orjson.dumps([dataset, named], option=orjson.OPT_SORT_KEYS)
+        """Checked against each dataset's settings once; loaded once per template, however many
+        datasets share it (ten datasets of one tokenizer: one load)."""
+        key = orjson.dumps(named, option=orjson.OPT_SORT_KEYS)
+        if (dataset, key) not in self._named:
+            ChatTemplate.check_spec(named, await self._prompting(dataset))
+            self._named.add((dataset, key))
         async with self._template_lock:  # one load at a time: transformers' import is not thread-safe
             if key not in self._templates:
-                prompting = await self._prompting(dataset)
                 self._templates[key] = await asyncio.to_thread(
-                    ChatTemplate.from_spec, named, prompting, self.config.trust_remote_code
+                    ChatTemplate.load_spec, named, self.config.trust_remote_code
                 )
         return self._templates[key]
 

@@ -29,6 +29,7 @@ ROLES = {
     "run": "genq.commands.run.run_command",
     "verify": "genq.commands.verify.verify_command",
     "sim-server": "genq.sim.cli.sim_server",
+    "sim-tokenizer": "genq.sim.tokenizers.sim_tokenizer",
     "slurm": "genq.commands.slurm.slurm_command",
     "push": "genq.commands.push.push_command",
 }

@@ -9,7 +9,7 @@ import click
 import orjson
 from rich.table import Table
 
-from genq import datasets, entries, failures, terminal
+from genq import datasets, entries, failures, rejudge, terminal
 from genq.commands.run_redis import out_option, redis_of, require_datasets
 from genq.connection import connect
 from genq.keys import Keys
@@ -26,7 +26,8 @@ from genq.settings import option, redis_options
 def failed_command(
     dataset: str | None, as_json: bool, out: Path | None, redis_url: str, namespace: str
 ) -> None:
-    """Terminal failures, grouped by reason (error class and the server's message), and the
+    """Terminal failures, grouped by reason (error class and the server's message), the records the
+    checker failed on (check_failed: `genq retry --check-failed` has them judged again), and the
     stream entries quarantined because they were not a worker's result (the last 100 of each dataset)."""
     with redis_of(out, redis_url, namespace) as (url, auth, namespace):
         conn = connect(url, **auth)
@@ -40,14 +41,24 @@ def failed_command(
             if dataset in (None, name)
             for letter in entries.dead_letters(conn, keys, name)
         ]
+        checked = [n for n, s in sorted(datasets.load_all(conn, keys).items()) if s.checked]
+        unjudged = {name: rejudge.listed(conn, keys, name) for name in checked if dataset in (None, name)}
+        unjudged = {name: found for name, found in unjudged.items() if found[0]}
     if as_json:
         data = [{"error": g.error, "message": g.message, "count": len(g.ids), "ids": g.ids} for g in groups]
         quarantined = [dataclasses.asdict(letter) for letter in letters]
+        check_failed = {
+            name: {"count": total, "last": [dataclasses.asdict(c) for c in shown]}
+            for name, (total, shown) in unjudged.items()
+        }
         click.echo(
-            orjson.dumps({"groups": data, "quarantined": quarantined}, option=orjson.OPT_INDENT_2).decode()
+            orjson.dumps(
+                {"groups": data, "check_failed": check_failed, "quarantined": quarantined},
+                option=orjson.OPT_INDENT_2,
+            ).decode()
         )
         return
-    if not groups and not letters:
+    if not groups and not letters and not unjudged:
         click.echo("no failed jobs")
         return
     if groups:
@@ -56,6 +67,16 @@ def failed_command(
             table.add_column(col, justify="right" if col == "count" else "left", overflow="fold")
         for g in groups:
             table.add_row(str(len(g.ids)), g.error, g.message, ", ".join(g.ids[:3]))
+        terminal.console().print(table)
+    for name, (total, shown) in unjudged.items():
+        table = Table(
+            title=f"{name}: {total:,} records the checker failed on (check_failed; the last {len(shown)}): "
+            "fix the checker, then genq retry --check-failed"
+        )
+        for col in ("id", "checker", "why"):
+            table.add_column(col, overflow="fold")
+        for c in shown:
+            table.add_row(c.id, c.checker or "?", c.reason)
         terminal.console().print(table)
     if letters:
         total = sum(n for name, n in counts.items() if dataset in (None, name))
@@ -99,6 +120,13 @@ def failed_command(
     default=None,
     help="With --truncated: the collector's output folder (default: --out).",
 )
+@option(
+    "--check-failed",
+    env="GENQ_RETRY_CHECK_FAILED",
+    is_flag=True,
+    help="Not failures: have the records the checker failed on judged again (by the checker as it is "
+    "now), nothing generated again.",
+)
 @option("--dataset", env="GENQ_RETRY_DATASET", default=None, help="Only this dataset.")
 @out_option("retry")
 @redis_options
@@ -106,6 +134,7 @@ def retry_command(
     reason: str | None,
     retry_all: bool,
     truncated: bool,
+    check_failed: bool,
     continue_to: int | None,
     records: Path | None,
     dataset: str | None,
@@ -119,13 +148,18 @@ def retry_command(
     Idempotent: a failure is retried once, a record re-opened once; run it again and it finds
     nothing new.
     """
+    if sum((truncated, check_failed, bool(reason or retry_all))) > 1:
+        raise click.UsageError("one at a time: --reason/--all, --truncated or --check-failed")
     if truncated:
         _retry_truncated(continue_to, records or out, dataset, out, redis_url, namespace)
+        return
+    if check_failed:
+        _retry_check_failed(dataset, out, redis_url, namespace)
         return
     if continue_to is not None or records is not None:
         raise click.UsageError("--continue-to and --records go with --truncated")
     if not reason and not retry_all:
-        raise click.UsageError("say which: --reason TEXT, --all or --truncated")
+        raise click.UsageError("say which: --reason TEXT, --all, --truncated or --check-failed")
     with redis_of(out, redis_url, namespace) as (url, auth, namespace):
         conn = connect(url, **auth)
         require_datasets(conn, namespace, url)
@@ -139,6 +173,30 @@ def retry_command(
     click.echo(
         f"retried {retried}" + (f"; {waiting} not in errors.jsonl yet, left for now" if waiting else "")
     )
+
+
+def _retry_check_failed(dataset: str | None, out: Path | None, redis_url: str, namespace: str) -> None:
+    """Each checked dataset's check_failed records sent to be judged again (genq/rejudge.py)."""
+    with redis_of(out, redis_url, namespace) as (url, auth, namespace):
+        conn = connect(url, **auth)
+        require_datasets(conn, namespace, url)
+        keys = Keys(namespace)
+        known = datasets.load_all(conn, keys)
+        if dataset is not None and dataset not in known:
+            raise click.ClickException(f"no dataset {dataset!r} in namespace {namespace!r}")
+        names = [n for n in ([dataset] if dataset else sorted(known)) if known[n].checked]
+        if not names:
+            raise click.ClickException(
+                f"{dataset or 'no dataset'}: not a checked dataset (enqueue --checked or --accept K)"
+            )
+        for name in names:
+            sent, waiting, bad = rejudge.send_again(conn, keys, name, known[name].samples)
+            line = f"{name}: {sent} records the checker failed on sent to be judged again"
+            if waiting:
+                line += f"; {waiting} not on disk yet, left for the next retry"
+            if bad:
+                line += f"; {bad} entries genq did not write, left (genq failed lists them)"
+            click.echo(line + (" (a genq check judges them)" if sent else ""))
 
 
 def _retry_truncated(

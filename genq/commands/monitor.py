@@ -128,7 +128,8 @@ def check_table(data: dict[str, Any]) -> Table | None:
 
 
 def tokens_table(data: dict[str, Any]) -> Table:
-    table = _table("tokens", "dataset", "prompt", "completion", "avg", "cut", "tok/s 5m", "tok/s all", "ETA")
+    columns = ("prompt", "completion", "avg", "capped", "tok/s 5m", "tok/s all", "ETA")
+    table = _table("tokens", "dataset", *columns)
     table.columns[0].overflow = "ellipsis"
     table.columns[0].max_width = 14
     for name, c in data["datasets"].items():
@@ -138,7 +139,7 @@ def tokens_table(data: dict[str, Any]) -> Table:
             count(c["prompt_tokens"]),
             count(c["completion_tokens"]),
             f"{avg:,.0f}" if avg is not None else UNKNOWN,
-            count(c["cut"]),
+            count(c["capped"]),
             rate(c["tokens_per_s"]),
             rate(c["tokens_per_s_since_start"]),
             duration(c["eta_s"]),

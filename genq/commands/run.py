@@ -23,7 +23,7 @@ from typing import IO
 
 import click
 
-from genq import progress, sources
+from genq import progress, provenance, sources
 from genq.backends import NAMES
 from genq.checker.cli import check_command  # the check stage's own flags, forwarded as typed
 from genq.clock import redis_time
@@ -56,6 +56,7 @@ class Interrupted(Exception):
 # run forwards what was typed to enqueue, which converts and checks it (one place does that).
 # How often `genq run` looks at the progress: the end is noticed at most this late.
 FOLLOW_EVERY_S = 0.1
+COLLECTOR_READY_S = 60  # an enqueue waits this long for the collector to take its dataset
 # The APIs `genq sim-server` speaks (its --api); auto means SGLang's.
 SIMULATED = ("auto", "sglang", "vllm", "openai-chat")
 _RUN_OWN = {
@@ -65,7 +66,8 @@ _RUN_OWN = {
     "backend",
     "redis_url",
     "namespace",
-    "register_only",  # run registers each dataset itself before its collector starts
+    "register_only",  # run's enqueues register each dataset and wait for its collector
+    "wait_collector",
     "rejects",  # run writes them to OUT/<dataset>/rejected.jsonl
 }
 # The check stage (enqueue --checked, --accept K --max-samples M): run starts `genq check` with the
@@ -157,7 +159,7 @@ def run_command(
             "and pass --server URL (`make real-engine` runs the example on one)"
         )
     try:  # files, dataset folders and globs, as enqueue takes them (one reader: genq/sources.py)
-        paths = sources.expand(list(files))
+        paths = sources.expand(list(files), enqueue_options.get("config"))
     except sources.SourceError as exc:
         raise click.ClickException(str(exc)) from exc
     groups = [(dataset, paths)] if dataset else [(p.stem, [p]) for p in paths]
@@ -206,6 +208,7 @@ class Run:
         self.redis_server = EmbeddedRedis(out / ".redis", private=True) if embedded else None
         self.helpers: list[subprocess.Popen] = []  # the simulator, then the collector
         self.pool: list[subprocess.Popen] = []  # the workers (one that dies is replaced in this list)
+        self.collector: subprocess.Popen | None = None
         self.env: dict[str, str] = {}
         self.started = time.monotonic()
         self.keys = Keys(namespace)
@@ -258,23 +261,26 @@ class Run:
         )
         result = subprocess.run(argv, env={**os.environ, **self.env})
         if result.returncode not in (0, EXIT_REJECTED):
+            if self.collector is not None and self.collector.poll() is not None:
+                raise click.ClickException(
+                    f"the collector exited ({self.collector.returncode}); see its log in OUT/.logs"
+                )
             raise click.ClickException(f"enqueue of {name} failed (exit {result.returncode})")
 
     def register(self, groups: list[tuple[str, list[Path]]]) -> None:
-        """Each dataset's settings recorded before the collector starts, so it marks what OUT already
-        holds for them (a resumed run on a fresh Redis) before the enqueue asks what is done."""
-        for name, paths in groups:
+        """Every dataset's name checked, then the collector started: each enqueue records its
+        dataset's settings and waits for the collector to mark what OUT already holds (a resumed
+        run on a fresh Redis) before it asks what is done — one process, one tokenizer load, a
+        dataset."""
+        for name, _ in groups:
             try:
                 validate_name(name)
             except ValueError as exc:
                 raise click.ClickException(f"{exc} (use --dataset NAME)") from exc
-            self.enqueue(name, paths, "--register-only")
         self.collector = _start(
             genq_command("collect", "--out", str(self.out)), self.logs / "collector.log", self.env
         )
         self.helpers.append(self.collector)
-        for name, _ in groups:
-            _wait_ready(self.conn, self.keys, name, self.collector, 60)
 
     def checker(self, flags: list[str]) -> None:
         """`genq check` with this command line's checker, beside the workers: a checked dataset's
@@ -286,7 +292,15 @@ class Run:
         """Every dataset enqueued, its rejected rows listed in OUT/<dataset>/rejected.jsonl; how many."""
         rejected: dict[str, int] = {}
         for name, paths in groups:
-            self.enqueue(name, paths, "--rejects", str(self.out / name / REJECTS))
+            self.enqueue(
+                name,
+                paths,
+                "--rejects",
+                str(self.out / name / REJECTS),
+                "--wait-collector",
+                str(COLLECTOR_READY_S),
+            )
+            provenance.record_command(self.conn, self.keys, name, "run")  # the card's one line
             rejected[name] = _lines_in(self.out / name / REJECTS)
             if rejected[name]:
                 click.echo(
@@ -442,22 +456,6 @@ def _start(
     """A child whose log goes to ``log_path`` (and stdout too, unless piped to us)."""
     with open(log_path, "ab") as log:
         return spawn(argv, env=env, stdout=stdout if stdout is not None else log, stderr=log)
-
-
-def _wait_ready(conn, keys: Keys, name: str, collector: subprocess.Popen, timeout: float) -> None:
-    """The collector holds the dataset and has reconciled Redis with its files on disk: only
-    then is enqueue's 'already done' check complete."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        lease, ready = conn.mget(keys.collector_lease(name), keys.collector_ready(name))
-        if lease and lease == ready:
-            return
-        if collector.poll() is not None:
-            raise click.ClickException(
-                f"the collector exited ({collector.returncode}); see its log in OUT/.logs"
-            )
-        time.sleep(0.1)
-    raise click.ClickException("the collector did not get ready in time; see OUT/.logs/collector.log")
 
 
 def _follow(conn, keys: Keys, pool, collector, worker_argv, logs: Path, env) -> None:

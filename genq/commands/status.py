@@ -113,7 +113,7 @@ def with_tokens(conn: redis.Redis, keys: Keys, counts: dict[str, dict[str, int]]
             "prompt_tokens": t.prompt_tokens,
             "completion_tokens": t.completion_tokens,
             "avg_completion_tokens": _round(t.avg_completion_tokens),
-            "cut": t.cut,
+            "capped": t.capped,
             "tokens_per_s": _round(t.tokens_per_s),
             "tokens_per_s_since_start": _round(t.tokens_per_s_since_start),
             "eta_s": _round(t.eta_s(remaining)),

@@ -20,17 +20,27 @@ import click
 import orjson
 import redis
 
-from genq import datasets, sources
+from genq import datasets, provenance, sources, token_counts
 from genq.bitmaps import is_set, set_bits
 from genq.commands.run_redis import has_private_redis, redis_of, require_datasets
 from genq.connection import connect, redact
 from genq.entries import BadEntry, quarantined, read_entry
 from genq.keys import Keys
 from genq.queues import rq_queue
-from genq.schema import ERRORS, ID_AT_START, RAW, REJECTED_SAMPLES, bit_index, extends, parse_record_id
+from genq.schema import (
+    ERRORS,
+    ID_AT_START,
+    RAW,
+    REJECTED_SAMPLES,
+    bit_index,
+    extends,
+    parse_record_id,
+    rejudged,
+    supersedes,
+)
 from genq.settings import option, redis_options
 
-EXTENDS_KEY = b'"extends":'
+SUPERSEDE_KEYS = (b'"extends":', b'"rejudged":')
 EXAMPLES = 10
 
 
@@ -63,6 +73,8 @@ class Audit:
     states: dict[str, int] = field(default_factory=dict)
     rejected: int = 0
     in_source: int = 0  # rows enqueue --max-queued has not read yet (still in their files)
+    unread: int = 0  # rows past the last enqueue's --limit: not read yet, not missing
+    limit: int | None = None  # that --limit
     missing: list[str] = field(default_factory=list)
     missing_indexes: list[int] = field(default_factory=list)  # their bit indexes (--repair)
     duplicated: list[str] = field(default_factory=list)
@@ -85,6 +97,7 @@ class Audit:
             **self.states,
             "rejected_at_enqueue": self.rejected,
             "still_in_source": self.in_source,
+            "not_read_yet": self.unread,
             "missing": len(self.missing),
             "missing_examples": self.missing[:EXAMPLES],
             "duplicated": len(self.duplicated),
@@ -115,12 +128,16 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
         pipe.zrange(queue.started_job_registry.key, 0, -1)
         pipe.zrange(queue.scheduled_job_registry.key, 0, -1)
         enqueued, rejected, in_source, enqueuing, queued, moving, started, scheduled = pipe.execute()
+    limit = provenance.limited_to(conn, keys, name)
+    unread = 0
     if files:
         rows = sum(sources.count(path) for path in files)
+        if limit is not None and rows > limit:  # the rest is for the next enqueue without --limit
+            rows, unread = limit, rows - limit
         expected_n = rows * samples
     # Rows still in the files count as on their way only while an enqueue is running: after Redis
     # went back in time, in_source may describe an enqueue that is long gone.
-    result = Audit(name, 0, in_source=int(in_source or 0) if enqueuing else 0)
+    result = Audit(name, 0, in_source=int(in_source or 0) if enqueuing else 0, unread=unread, limit=limit)
 
     def index_of(record_id: str) -> int | None:
         parsed = parse_record_id(record_id, name, samples)
@@ -143,7 +160,9 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
             if index is not None:
                 states[state].set(index)
     extended: set[int] = set()
-    for state, filename in (("done", RAW), ("done", REJECTED_SAMPLES), ("failed", ERRORS)):
+    # rejected_samples.jsonl first: a record judged again (retry --check-failed) may land in
+    # raw_responses.jsonl, after its check_failed line there.
+    for state, filename in (("done", REJECTED_SAMPLES), ("done", RAW), ("failed", ERRORS)):
         path = out / name / filename
         for line_no, record_id, extension in _ids(path):
             index = index_of(record_id) if record_id is not None else None
@@ -193,19 +212,46 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
     return result
 
 
-def reopen(conn: redis.Redis, keys: Keys, result: Audit) -> None:
+def reopen(conn: redis.Redis, keys: Keys, out: Path, result: Audit) -> None:
     """--repair: clear the missing jobs' bits (enqueued, done, failed), so that the enqueue that
     made them makes them again — those jobs and no other: every other job is on disk, queued, in
-    flight or retrying, and keeps its bits. Refused while an enqueue of the dataset runs (its
-    bits are moving)."""
+    flight or retrying, and keeps its bits. The token counters, which counted the lost records
+    too, are derived anew from the files in the same step. Refused while an enqueue of the
+    dataset runs (its bits are moving).
+
+    A collector may be writing meanwhile: it appends a line, then counts it in Redis. The counters
+    are watched from before the files are read, so a count that lands in between sends the repair
+    round again — a line is counted by the recount or by the collector, never both, never neither."""
     if conn.exists(keys.enqueuing(result.dataset)):
         raise click.ClickException(
             f"{result.dataset}: an enqueue of it is running; repair once it has ended (nothing was changed)"
         )
-    with conn.pipeline(transaction=True) as pipe:
+
+    def repair(pipe: redis.client.Pipeline) -> None:
+        lines = [
+            obj
+            for name in (RAW, REJECTED_SAMPLES)
+            for obj in _lines(out / result.dataset / name)
+            if isinstance(obj, dict)
+        ]
+        pipe.multi()
         for key in (keys.enqueued, keys.done, keys.failed):
             set_bits(pipe, key(result.dataset), result.missing_indexes, 0)
-        pipe.execute()
+        token_counts.recount(pipe, keys, result.dataset, lines)
+
+    conn.transaction(repair, keys.tokens(result.dataset))
+
+
+def _lines(path: Path) -> Iterator[Any]:
+    """Each whole JSON line of a file (none if it is gone); a torn or broken one is passed over."""
+    if not path.is_file():
+        return
+    with path.open("rb") as fh:
+        for line in fh:
+            try:
+                yield orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
 
 
 def _int(data: bytes, size: int) -> int:
@@ -250,8 +296,8 @@ def _stream_indexes(
 def _ids(path: Path) -> Iterator[tuple[int, str | None, bool]]:
     """(line number, record id, whether the line extends an earlier one) of each line; the id is
     read off the line's start when genq wrote it, parsed otherwise; None for a line without one.
-    Only a line that holds the bytes of the key ``"extends":`` is parsed for it (in a string value
-    its quotes would be escaped)."""
+    Only a line that holds the bytes of the key ``"extends":`` or ``"rejudged":`` is parsed for it
+    (in a string value its quotes would be escaped)."""
     if not path.exists():
         return
     with path.open("rb") as fh:
@@ -259,7 +305,7 @@ def _ids(path: Path) -> Iterator[tuple[int, str | None, bool]]:
             if not line.strip():
                 continue
             match = ID_AT_START.match(line)
-            if match and EXTENDS_KEY not in line:
+            if match and not any(key in line for key in SUPERSEDE_KEYS):
                 yield line_no, match.group(1).decode(), False
                 continue
             try:
@@ -271,7 +317,7 @@ def _ids(path: Path) -> Iterator[tuple[int, str | None, bool]]:
                 yield line_no, None, False
                 continue
             record_id = obj.get("id") if isinstance(obj.get("id"), str) else None
-            yield line_no, record_id, extends(obj) is not None
+            yield line_no, record_id, supersedes(obj)
 
 
 def _broken_extensions(path: Path, extended: set[int], index_of: Callable[[str], int | None]) -> list[str]:
@@ -288,7 +334,10 @@ def _broken_extensions(path: Path, extended: set[int], index_of: Callable[[str],
             obj = orjson.loads(line)
             ids = obj.get("output_ids") or []
             was = before.get(index)
-            if was is not None and (extends(obj) != len(was) or ids[: len(was)] != was):
+            if was is not None and rejudged(obj) is not None:  # judged again: the same output
+                if ids != was:
+                    broken.append(f"{path}:{line_no}: {obj['id']} judged again is not the output it had")
+            elif was is not None and (extends(obj) != len(was) or ids[: len(was)] != was):
                 broken.append(
                     f"{path}:{line_no}: {obj['id']} does not begin with the {len(was)} output tokens of the "
                     "record it extends"
@@ -307,6 +356,11 @@ def print_audit(result: Audit, reopened: bool = False) -> None:
     if result.in_source:
         click.echo(
             f"{result.dataset}: {result.in_source:,} still in its files (enqueue --max-queued is running)"
+        )
+    if result.unread:
+        click.echo(
+            f"{result.dataset}: {result.unread:,} rows after the first {result.limit:,} not read yet (the "
+            f"last enqueue had --limit {result.limit}): {result.command} without --limit enqueues them"
         )
     if result.missing:
         shown = ", ".join(result.missing[:EXAMPLES])
@@ -390,7 +444,7 @@ def verify_command(
         results = [audit(conn, keys, out, name, paths) for name in names]
         reopened = [r for r in results if repair and r.missing]
         for result in reopened:
-            reopen(conn, keys, result)
+            reopen(conn, keys, out, result)
         sources_of = {name: " ".join(files) or " ".join(known[name].sources) for name in names}
     if as_json:
         click.echo(orjson.dumps([r.as_dict() for r in results], option=orjson.OPT_INDENT_2).decode())

@@ -1,5 +1,7 @@
-"""Every tokenizer layout users meet, built offline by the tests (nothing downloaded, no model files
-committed), each with a Kimi-K2.5-style chat template (a ``thinking`` switch, tools, tool turns):
+"""Stand-in tokenizers for the simulator: every layout users meet, built offline from a few
+sentences (nothing downloaded, no model files committed), each with a Kimi-K2.5-style chat
+template (a ``thinking`` switch, tools, tool turns). `genq sim-tokenizer LAYOUT FOLDER` makes one
+(docs/recipes.md's job B); the tests make every layout:
 
 - ``fast``: ``tokenizer.json`` (the Rust tokenizers library), template in tokenizer_config.json;
 - ``tiktoken``: Kimi-K2's layout: a tiktoken rank file ``tiktoken.model`` and the tokenizer as code
@@ -19,11 +21,18 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from tests import dataset_helpers
+import click
 
 LAYOUTS = ("fast", "tiktoken", "sentencepiece")
-# The dataset tests' sentences, and one of tool use.
-CORPUS = [*dataset_helpers.CORPUS, "The weather in Paris is sunny. Call get_weather with the city."]
+# What the stand-ins learn their merges from (the dataset tests' tokenizer too), and one of tool use.
+SENTENCES = [
+    "You are a helpful assistant.",
+    "What is the capital of France? Paris is the capital of France.",
+    "Write a haiku about the sea. The sea is wide and deep and blue.",
+    "Explain recursion in one sentence. A function that calls itself.",
+    "hello world, how are you today? I am fine, thank you.",
+]
+CORPUS = [*SENTENCES, "The weather in Paris is sunny. Call get_weather with the city."]
 # Kimi-K2's special tokens, in its order, right after the base ranks; <think> and </think> follow.
 KIMI_SPECIAL = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>"]
 KIMI_SPECIAL += ["<|im_middle|>"]
@@ -74,7 +83,7 @@ PAT_STR = "|".join(
     ]
 )
 # The tokenizer as code, as Kimi ships it: a PreTrainedTokenizer over tiktoken, named by auto_map.
-KIMI_CODE = '''"""A TikToken tokenizer shaped as Kimi-K2's tokenization_kimi.py (written by genq's tests)."""
+KIMI_CODE = '''"""A TikToken tokenizer shaped as Kimi-K2's tokenization_kimi.py (by genq sim-tokenizer)."""
 
 from typing import Any
 
@@ -262,9 +271,33 @@ def _sentencepiece(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-if (
-    __name__ == "__main__"
-):  # python -m tests.tokenizer_layouts tiktoken DIR: a stand-in tokenizer (docs/recipes.md)
-    import sys
+@click.command("sim-tokenizer")
+@click.argument("layout", type=click.Choice(LAYOUTS))
+@click.argument("folder", type=click.Path(file_okay=False, path_type=Path))
+def sim_tokenizer(layout: str, folder: Path) -> None:
+    """Make a stand-in tokenizer in FOLDER, offline in a second: tiktoken is Kimi-K2.5's layout (its
+    tokenizer as code, so loading it needs --trust-remote-code), fast a tokenizer.json,
+    sentencepiece a tokenizer.model; each with a Kimi-K2.5-style chat template (<think> opened by
+    the generation prompt, </think> a special token). For trying genq with the simulator; on a
+    cluster, give the model's own tokenizer."""
+    click.echo(build(layout, folder, template_file=True))
+    ids = think_ids(folder)
+    if ids is not None:
+        pair = f"{ids[0]},{ids[1]}"
+        click.echo(
+            f"<think> is id {ids[0]}, </think> id {ids[1]}: the simulator closes its thoughts with them "
+            f"given --think-ids {pair} (GENQ_SIM_THINK_IDS={pair} for genq run --simulate)"
+        )
 
-    print(build(sys.argv[1], Path(sys.argv[2]), template_file=True))
+
+def think_ids(folder: Path) -> tuple[int, int] | None:
+    """The ids of <think> and </think> in a stand-in saved in ``folder``, from its own files (the
+    sentencepiece layout's are inside its model: None)."""
+    found: dict[str, int] = {}
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    for index, token in (config.get("added_tokens_decoder") or {}).items():
+        found[token["content"]] = int(index)
+    if (folder / "tokenizer.json").is_file():
+        for token in json.loads((folder / "tokenizer.json").read_text()).get("added_tokens", []):
+            found[token["content"]] = int(token["id"])
+    return (found[THINK[0]], found[THINK[1]]) if all(t in found for t in THINK) else None
