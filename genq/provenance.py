@@ -23,11 +23,12 @@ from typing import Any
 
 import redis
 
-from genq import __version__, datasets, progress, token_counts
+from genq import datasets, progress, token_counts
 from genq.bitmaps import is_set
 from genq.connection import redact
 from genq.keys import Keys
 from genq.schema import bit_index, dumps, loads, now_iso
+from genq.version import __version__
 
 FILE = "provenance.json"
 # The field of a dataset's provenance hash where enqueue keeps its rejects by reason (JSON).

@@ -124,7 +124,7 @@ def _rows(
             yield line
         return
     if fmt == "parquet":  # every record, each id's last: the record store, truncated ones too
-        for record in _records(raw):
+        for record in records(raw):
             if not isinstance(record.get("schema"), int) or not isinstance(record.get("id"), str):
                 result.skipped["not a genq record (parquet holds genq's records)"] += 1
                 continue
@@ -132,7 +132,7 @@ def _rows(
             _note_length(result, record)
             yield parquet.record_row(record)
         return
-    for record in _records(raw):
+    for record in records(raw):
         view = _view(record)
         if view is None:
             result.skipped["not a record genq knows (no output_ids, choices or input_ids)"] += 1
@@ -182,7 +182,7 @@ def _batch_lines(raw: Path, reasoning_content: bool) -> Iterator[dict[str, Any]]
         yield openai_batch.error_line(data) if is_error else openai_batch.output_line(data, reasoning_content)
 
 
-def _records(raw: Path) -> Iterator[dict[str, Any]]:
+def records(raw: Path) -> Iterator[dict[str, Any]]:
     """The records in the order of their rows in the dataset (and samples within a row)."""
     return (record for _, record in _keyed(raw))
 

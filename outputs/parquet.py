@@ -68,6 +68,27 @@ def record_row(record: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def records_table(records: Iterable[dict[str, Any]]) -> Any:
+    """Records as one pyarrow table of RECORD_COLUMNS (what the parquet export's shards hold); a
+    record whose values do not fit the columns is a ValueError naming its id, not left out."""
+    import pyarrow as pa
+
+    table_schema = schema(RECORD_COLUMNS)
+    batches = []
+    for batch in _batches(record_row(r) for r in records):
+        try:
+            batches.append(pa.Table.from_pylist(batch, schema=table_schema))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            for row in batch:
+                try:
+                    pa.Table.from_pylist([row], schema=table_schema)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
+                    raise ValueError(
+                        f"record {row.get('id')!r} does not fit the record columns: {exc}"
+                    ) from None
+    return pa.concat_tables(batches) if batches else table_schema.empty_table()
+
+
 def _json(value: Any) -> str | None:
     return None if value is None else orjson.dumps(value).decode()
 

@@ -257,11 +257,7 @@ def enqueue_command(redis_url: str, namespace: str, redis_wait: float, **options
     numbered across FILES in order: give the same files first; a file whose rows enqueued before
     have changed is refused.
     """
-    request = request_of(click.get_current_context(), options)
-    request.name  # noqa: B018 - a name that cannot be a dataset's is refused before the server is asked
-    request = request.with_server(request.probe())
-    request.check()
-    plan = request.plan()
+    request, plan = prepared(request_of(click.get_current_context(), options))
     if request.dry_run:
         report_dry_run(plan)
         return
@@ -273,16 +269,33 @@ def enqueue_command(redis_url: str, namespace: str, redis_wait: float, **options
             f"Redis unreachable at {redact(redis_url)}: {exc} Start redis-server there (or point --redis, "
             "GENQ_REDIS_URL, at yours), or use `genq run`, which starts a private one"
         ) from exc
-    if not request.register_only:
-        hint_hash_encoding(conn, Keys(namespace))
-    if request.wait_collector is not None:
-        _enqueue(conn, Keys(namespace), dataclasses.replace(request, register_only=True), plan)
-        _wait_for_collector(conn, Keys(namespace), plan.name, request.wait_collector)
-    summary = _enqueue(conn, Keys(namespace), request, plan)
+    summary = submit(conn, Keys(namespace), request, plan)
     if request.register_only:
         click.echo(f"{plan.name}: settings recorded")
         return
     _say_outcome(request, plan, summary)
+
+
+def prepared(request: EnqueueRequest) -> tuple[EnqueueRequest, Plan]:
+    """The request as its --server answers it, checked, and its plan: all an enqueue does before
+    Redis is touched (`genq enqueue` and the Python API's ``Client.enqueue`` alike)."""
+    request.name  # noqa: B018 - a name that cannot be a dataset's is refused before the server is asked
+    request = request.with_server(request.probe())
+    request.check()
+    return request, request.plan()
+
+
+def submit(
+    conn: redis.Redis, keys: Keys, request: EnqueueRequest, plan: Plan, rejects: RejectsFile | None = None
+) -> Summary:
+    """The plan enqueued (after its collector took the dataset, with --wait-collector); rejected
+    rows go to ``rejects``, else to the request's --rejects file."""
+    if not request.register_only:
+        hint_hash_encoding(conn, keys)
+    if request.wait_collector is not None:
+        _enqueue(conn, keys, dataclasses.replace(request, register_only=True), plan)
+        _wait_for_collector(conn, keys, plan.name, request.wait_collector)
+    return _enqueue(conn, keys, request, plan, rejects)
 
 
 def _wait_for_collector(conn: redis.Redis, keys: Keys, name: str, seconds: float) -> None:
@@ -311,10 +324,16 @@ def request_of(ctx: click.Context, options: dict[str, Any]) -> EnqueueRequest:
     return EnqueueRequest(**{**options, "files": tuple(options["files"])}, given=given)
 
 
-def _enqueue(conn: redis.Redis, keys: Keys, request: EnqueueRequest, plan: Plan) -> Summary:
+def _enqueue(
+    conn: redis.Redis, keys: Keys, request: EnqueueRequest, plan: Plan, given: RejectsFile | None = None
+) -> Summary:
     """The plan run into Redis; its failures said in one line with what to do."""
     rejects = request.rejects
-    rejects_file = RejectsFile(rejects) if rejects is not None and not request.register_only else None
+    opened = None
+    if given is None and rejects is not None and not request.register_only:
+        opened = RejectsFile(rejects)
+    rejects_file = given if not request.register_only else None
+    rejects_file = rejects_file or opened
     try:
         return enqueue_dataset(
             conn,
@@ -339,8 +358,8 @@ def _enqueue(conn: redis.Redis, keys: Keys, request: EnqueueRequest, plan: Plan)
             "command again (it skips what is already queued or done)"
         ) from exc
     finally:
-        if rejects_file is not None:
-            rejects_file.close()
+        if opened is not None:
+            opened.close()
 
 
 def _say_outcome(request: EnqueueRequest, plan: Plan, summary: Summary) -> None:

@@ -7,9 +7,9 @@ import importlib
 import click
 import redis
 
-from genq import __version__
 from genq.connection import RedisURLError
 from genq.redis_errors import NOT_NOW, fatal, not_now
+from genq.version import __version__
 
 # Each command, imported only when it runs (click's lazily loaded subcommands): a worker starts
 # without loading the collector, the dataset readers, the simulator or the views (rich).

@@ -24,7 +24,7 @@ from typing import IO
 import click
 
 from genq import progress, provenance, sources
-from genq.backends import NAMES
+from genq.backends import NAMES, split_credentials
 from genq.checker.cli import check_command  # the check stage's own flags, forwarded as typed
 from genq.clock import redis_time
 from genq.commands import verify
@@ -56,6 +56,9 @@ class Interrupted(Exception):
 # run forwards what was typed to enqueue, which converts and checks it (one place does that).
 # How often `genq run` looks at the progress: the end is noticed at most this late.
 FOLLOW_EVERY_S = 0.1
+SERVE_EVERY_S = 0.5  # how often `genq run --serve` looks for a worker or collector that died
+# `genq run --serve`'s line on stdout once it takes datasets: then the server's URL and its API.
+SERVING = "genq run: serving "
 COLLECTOR_READY_S = 60  # an enqueue waits this long for the collector to take its dataset
 # The APIs `genq sim-server` speaks (its --api); auto means SGLang's.
 SIMULATED = ("auto", "sglang", "vllm", "openai-chat")
@@ -105,7 +108,14 @@ def enqueue_argv(ctx: click.Context, params: list[click.Parameter] = ENQUEUE_PAR
 
 
 @click.command("run")
-@click.argument("files", nargs=-1, required=True)
+@click.argument("files", nargs=-1)
+@option(
+    "--serve",
+    is_flag=True,
+    help="Stay up once FILES (if any) are on disk: Redis, server, workers and the collector take the "
+    "datasets enqueued from elsewhere (genq enqueue --out-less with this run's Redis, or Python's "
+    "genq.LocalRun), until SIGTERM or Ctrl-C.",
+)
 @option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
 @option("--server", default=None, help="SGLang server URL (or --simulate).")
 @option("--simulate", is_flag=True, help="Start the bundled simulator (of --backend's API) and use it.")
@@ -134,6 +144,7 @@ def enqueue_argv(ctx: click.Context, params: list[click.Parameter] = ENQUEUE_PAR
 @redis_options
 def run_command(
     files,
+    serve,
     out,
     server,
     simulate,
@@ -151,6 +162,8 @@ def run_command(
 
     Takes every `genq enqueue` option too (sampling, --format, --tokenizer, ...), for the enqueue.
     """
+    if not files and not serve:
+        raise click.UsageError("give FILES to run (or --serve, to take datasets enqueued from elsewhere)")
     if bool(server) == bool(simulate):
         raise click.UsageError("give exactly one of --server URL or --simulate")
     if simulate and backend not in SIMULATED:
@@ -189,9 +202,14 @@ def run_command(
             run.checker(enqueue_argv(ctx, CHECK_PARAMS))
         rejected = run.enqueue_all(groups)
         trust = bool(enqueue_options.get("trust_remote_code"))
+        if serve:
+            run.serve(workers, concurrency, trust)  # until SIGTERM or Ctrl-C
         run.work(workers, concurrency, trust)
         run.report(groups, rejected, bool(enqueue_options.get("allow_rejects")))
     except Interrupted:
+        if serve:
+            click.echo("genq run: stopping: what is in flight finishes or goes back to the queue", err=True)
+            return  # close() stops the workers first, while the server and Redis still answer them
         run.interrupted()
     finally:
         run.close()
@@ -310,8 +328,7 @@ class Run:
                 )
         return rejected
 
-    def work(self, workers: int, concurrency: object, trust_remote_code: bool) -> None:
-        """The workers started and followed until every job is on disk, then stopped with the collector."""
+    def _worker_argv(self, concurrency: object, trust_remote_code: bool) -> list[str]:
         argv = genq_command(
             "worker",
             "--backend",
@@ -323,10 +340,28 @@ class Run:
         )
         if trust_remote_code:  # the one consent, for enqueue and workers alike
             argv.append("--trust-remote-code")
-        self.pool.extend(_start(argv, self.logs / f"worker-{i}.log", self.env) for i in range(workers))
+        return argv
+
+    def work(self, workers: int, concurrency: object, trust_remote_code: bool) -> None:
+        """The workers started and followed until every job is on disk, then stopped with the collector."""
+        argv = self._worker_argv(concurrency, trust_remote_code)
+        if not self.pool:
+            self.pool.extend(_start(argv, self.logs / f"worker-{i}.log", self.env) for i in range(workers))
         _follow(self.conn, self.keys, self.pool, self.collector, argv, self.logs, self.env)
         stop(self.pool, 90)
         stop([self.collector], 60)
+
+    def serve(self, workers: int, concurrency: object, trust_remote_code: bool) -> None:
+        """--serve: the workers started, then kept (one that dies replaced) until SIGTERM or Ctrl-C
+        (:class:`Interrupted`); the line SERVING on stdout says the run takes datasets now."""
+        argv = self._worker_argv(concurrency, trust_remote_code)
+        self.pool.extend(_start(argv, self.logs / f"worker-{i}.log", self.env) for i in range(workers))
+        bare = split_credentials(self.env["GENQ_SERVER"])[0]  # a key in the URL stays out of the line
+        click.echo(f"{SERVING}{bare} {self.backend}")
+        sys.stdout.flush()
+        while True:
+            _restart_dead(self.pool, self.collector, argv, self.logs, self.env)
+            time.sleep(SERVE_EVERY_S)
 
     def report(
         self, groups: list[tuple[str, list[Path]]], rejected: dict[str, int], allow_rejects: bool
@@ -497,15 +532,20 @@ def _follow(conn, keys: Keys, pool, collector, worker_argv, logs: Path, env) -> 
                 click.echo("", err=True)
             click.echo(line, err=True)
             return
-        for i, proc in enumerate(pool):
-            if proc.poll() is not None:
-                click.echo(f"\ngenq run: worker {i} exited ({proc.returncode}); restarting it", err=True)
-                pool[i] = _start(worker_argv, logs / f"worker-{i}.log", env)
-        if collector.poll() is not None:
-            raise click.ClickException(
-                f"the collector exited ({collector.returncode}); see OUT/.logs/collector.log"
-            )
+        _restart_dead(pool, collector, worker_argv, logs, env)
         time.sleep(FOLLOW_EVERY_S)
+
+
+def _restart_dead(pool, collector, worker_argv, logs: Path, env) -> None:
+    """A worker that died is started again; a collector that died ends the run in one line."""
+    for i, proc in enumerate(pool):
+        if proc.poll() is not None:
+            click.echo(f"\ngenq run: worker {i} exited ({proc.returncode}); restarting it", err=True)
+            pool[i] = _start(worker_argv, logs / f"worker-{i}.log", env)
+    if collector.poll() is not None:
+        raise click.ClickException(
+            f"the collector exited ({collector.returncode}); see OUT/.logs/collector.log"
+        )
 
 
 def _lines_in(path: Path) -> int:
