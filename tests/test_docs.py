@@ -483,3 +483,83 @@ def test_the_docs_genq_commands_parse():
             wrong.append(f"{where}: genq {' '.join(argv)}: {exc.format_message()}")
     assert checked > 20, "no genq command found in the docs' shell blocks: the pattern is broken"
     assert not wrong, "\n".join(wrong)
+
+
+# docs/python.md's reference: a heading per public name, its parameters as the code has them.
+_API_HEADING = re.compile(r"^### `((?:genq\.)?[A-Za-z_.]+)\((.*)\)`$", re.M)
+
+
+def _api_documented() -> dict[str, str]:
+    return dict(_API_HEADING.findall((ROOT / "docs" / "python.md").read_text()))
+
+
+def _api_public() -> dict[str, object]:
+    """genq's public names, and the public methods of its classes, by the name the docs give."""
+    import dataclasses
+    import inspect
+
+    import genq
+
+    found: dict[str, object] = {}
+    for name in genq.API:
+        value = getattr(genq, name)
+        if inspect.isclass(value) and issubclass(value, Exception):
+            continue  # the errors: documented together, they take a message
+        found[f"genq.{name}"] = value
+        if inspect.isclass(value) and not dataclasses.is_dataclass(value):
+            for method, member in vars(value).items():
+                if not method.startswith("_") and callable(member):
+                    found[f"{name}.{method}"] = member
+    return found
+
+
+def _params(signature) -> str:
+    """A signature as the docs write it: self left out, defaults as repr, * before keyword-only."""
+    import inspect
+
+    parts, star = [], False
+    for p in signature.parameters.values():
+        if p.name == "self":
+            continue
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        if p.kind is p.VAR_KEYWORD:
+            parts.append(f"**{p.name}")
+            continue
+        default = p.default
+        if default is inspect.Parameter.empty:
+            parts.append(p.name)
+        else:
+            shown = default if not isinstance(default, tuple | list) else list(default)
+            parts.append(f"{p.name}={shown!r}")
+    return ", ".join(parts)
+
+
+def test_the_python_reference_names_every_public_name_with_its_real_signature():
+    """docs/python.md has a heading for each public name and method of genq's API, its parameters
+    written as the code has them (names, order, defaults), and no heading for a name that is not."""
+    import dataclasses
+    import inspect
+
+    documented, public = _api_documented(), _api_public()
+    assert sorted(set(public) - set(documented)) == [], "public names docs/python.md does not describe"
+    assert sorted(set(documented) - set(public)) == [], "docs/python.md describes names genq does not have"
+    for name, value in public.items():
+        if inspect.isclass(value) and dataclasses.is_dataclass(value):
+            shown = ", ".join(_field(f) for f in dataclasses.fields(value))
+        else:
+            shown = _params(inspect.signature(value))
+        said = documented[name]
+        assert said == shown, f"{name}: docs/python.md says ({said}), the code ({shown})"
+
+
+def _field(f) -> str:
+    """A dataclass field as the docs write it: its default (or its factory's value) after it."""
+    import dataclasses
+
+    if f.default is not dataclasses.MISSING:
+        return f"{f.name}={f.default!r}"
+    if f.default_factory is not dataclasses.MISSING:
+        return f"{f.name}={f.default_factory()!r}"
+    return f.name

@@ -187,13 +187,15 @@ class Client:
 
     def status(self) -> dict[str, Any]:
         """What `genq status --json` prints: per dataset and in total, workers and warnings."""
-        return status_of(self.conn, self.keys)
+        with genq_errors():
+            return status_of(self.conn, self.keys)
 
     def settled(self, dataset: str | None = None) -> bool:
         """Every job of ``dataset`` (of every dataset, without one) is on disk, as a record or an
         error, and nothing waits in the result stream."""
         counts = self._counts(dataset)
-        return progress.finished(counts) and progress.stream_lag(self.conn, self.keys)["length"] == 0
+        with genq_errors():
+            return progress.finished(counts) and progress.stream_lag(self.conn, self.keys)["length"] == 0
 
     def wait(
         self, dataset: str | None = None, timeout: float | None = None, show: bool = True
@@ -205,10 +207,16 @@ class Client:
         from tqdm.auto import tqdm  # a notebook's widget when in one, else the terminal's bar
 
         deadline = None if timeout is None else time.monotonic() + timeout
-        bar = tqdm(desc=dataset or "all datasets", unit="job", disable=not show, dynamic_ncols=True)
+        counts = self._counts(dataset)
+        bar = tqdm(
+            desc=dataset or "all datasets",
+            unit="job",
+            initial=sum(c["done"] + c["failed"] for c in counts.values()),  # the rate: of this wait's jobs
+            disable=not show,
+            dynamic_ncols=True,
+        )
         try:
             while True:
-                counts = self._counts(dataset)
                 bar.total = sum(c["total"] for c in counts.values())
                 bar.n = sum(c["done"] + c["failed"] for c in counts.values())
                 bar.set_postfix(
@@ -225,6 +233,7 @@ class Client:
                         f"({bar.n} of {bar.total} jobs on disk); the run goes on"
                     )
                 time.sleep(WAIT_EVERY_S)
+                counts = self._counts(dataset)
         except KeyboardInterrupt:
             log.warning("stopped waiting; the run goes on")
             raise
@@ -232,7 +241,8 @@ class Client:
             bar.close()
 
     def _counts(self, dataset: str | None) -> dict[str, dict[str, int]]:
-        counts = progress.dataset_counts(self.conn, self.keys)
+        with genq_errors():
+            counts = progress.dataset_counts(self.conn, self.keys)
         if dataset is None:
             return counts
         if dataset not in counts:

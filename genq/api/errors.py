@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Iterator
 
 import click
+import redis
 
 
 class GenqError(Exception):
@@ -27,10 +28,13 @@ class WaitTimeout(GenqError, TimeoutError):
 
 @contextlib.contextmanager
 def genq_errors() -> Iterator[None]:
-    """Run a shared operation, its click exceptions raised as genq's own."""
+    """Run a shared operation, its click exceptions (and a Redis that does not answer) raised as
+    genq's own."""
     try:
         yield
     except click.UsageError as exc:
         raise UsageError(exc.format_message()) from None
     except click.ClickException as exc:
         raise GenqError(exc.format_message()) from None
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise GenqError(f"Redis did not answer ({exc}); is it running where connect() points?") from None

@@ -113,8 +113,7 @@ def enqueue_argv(ctx: click.Context, params: list[click.Parameter] = ENQUEUE_PAR
     "--serve",
     is_flag=True,
     help="Stay up once FILES (if any) are on disk: Redis, server, workers and the collector take the "
-    "datasets enqueued from elsewhere (genq enqueue --out-less with this run's Redis, or Python's "
-    "genq.LocalRun), until SIGTERM or Ctrl-C.",
+    "datasets enqueued into its Redis later (Python's genq.LocalRun runs it so), until SIGTERM or Ctrl-C.",
 )
 @option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
 @option("--server", default=None, help="SGLang server URL (or --simulate).")
