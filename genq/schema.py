@@ -101,6 +101,7 @@ class JobSpec:
     # output so far is the job's checkpoint in Redis (genq/pieces.py), put there with it.
     extends: int | None = None
     fields: dict[str, Any] | None = None  # the row's own fields kept for the check stage (--keep-field)
+    parent: str | None = None  # a stage's job: the id of the record its row was made from
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_kwargs(self) -> dict[str, Any]:
@@ -154,7 +155,7 @@ _SPEC_TYPES: dict[str, type] = {
     "dataset": str, "row": int, "sample": int, "id": str, "sampling_params": dict, "input_ids": list,
     "text": str, "source_id": str, "messages": list, "think": dict, "keep_prompt": bool, "turns": str,
     "template": dict, "logprobs": int, "batch": dict, "tools": list, "chat_template_kwargs": dict,
-    "continue_to": int, "extends": int, "fields": dict, "extra": dict,
+    "continue_to": int, "extends": int, "fields": dict, "parent": str, "extra": dict,
 }  # fmt: skip
 _KIND_WORDS = {
     str: "a string",

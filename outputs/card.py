@@ -105,10 +105,17 @@ def _provenance(prov: dict[str, Any]) -> list[str]:
     out.append(f"| genq | {prov.get('genq_version')} |")
     out.append(f"| sampling | `{orjson.dumps(settings.get('sampling_params')).decode()}` |")
     out.append(f"| samples per prompt | {_samples(settings)} |")
-    for key in ("tokenizer", "chat_template", "system_prompt", "format", "continue_to"):
+    for key in ("tokenizer", "chat_template", "row_template", "system_prompt", "format", "continue_to"):
         if prompting.get(key) is not None:
             out.append(f"| {key.replace('_', ' ')} | `{prompting[key]}` |")
-    out.append(f"| sources | {', '.join(settings.get('sources') or [])} |")
+    source = prompting.get("from_dataset")
+    if isinstance(source, dict):  # a stage: its rows are another dataset's records (`parent` names each)
+        only = " and ".join(source.get("only") or []) or "every"
+        out.append(
+            f"| rows from | the records of `{source.get('dataset')}` ({only} one), by the row template |"
+        )
+    else:
+        out.append(f"| sources | {', '.join(settings.get('sources') or [])} |")
     out.append(f"| records from | {prov.get('first_record_at')} to {prov.get('last_record_at')} |")
     out += ["", "Servers that answered:", "", "| server | engine | version | model |", "|---|---|---|---|"]
     for url, s in (prov.get("servers") or {}).items():

@@ -23,6 +23,8 @@ from genq.producer.formats import FIELDS, FORMATS
 from genq.producer.lease import LeaseLost
 from genq.producer.rejects import RejectsFile
 from genq.producer.request import EnqueueRequest, Plan
+from genq.producer.row_template import TemplateRefused
+from genq.producer.stage import StageRefused, enqueue_stage
 from genq.sampling import FLAGGED, sampling_options
 from genq.settings import json_object, option, redis_options
 
@@ -51,8 +53,37 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
 
 
 @click.command("enqueue")
-@click.argument("files", nargs=-1, required=True)
+@click.argument("files", nargs=-1)
 @option("--dataset", default=None, help="Dataset name (default: the first file's stem).")
+@option(
+    "--template",
+    "row_template",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A Jinja template (sandboxed) that makes each row from the fields of a row of FILES, or of a "
+    "record of --from-dataset: its text is the prompt, or a JSON object the row, or a JSON list the "
+    "messages.",
+)
+@option(
+    "--from-dataset",
+    default=None,
+    metavar="NAME",
+    help="A stage: take the rows from dataset NAME's records as they land in --from-out (with "
+    "--template), one row of this dataset per record, until NAME is settled.",
+)
+@option(
+    "--from-out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    metavar="DIR",
+    help="The collector's folder, where --from-dataset's records land (DIR/NAME/raw_responses.jsonl).",
+)
+@option("--only-accepted", is_flag=True, help="A stage takes only the records the check stage accepted.")
+@option(
+    "--only-stopped",
+    is_flag=True,
+    help="A stage takes only the records that stopped by themselves (finish_reason stop).",
+)
 @option(
     "--format",
     "fmt",
@@ -334,21 +365,19 @@ def _enqueue(
         opened = RejectsFile(rejects)
     rejects_file = given if not request.register_only else None
     rejects_file = rejects_file or opened
+    common: dict[str, Any] = {
+        "replace_settings": request.replace_settings,
+        "report": lambda line: click.echo(line, err=True),
+        "register_only": request.register_only,
+        "rejects": rejects_file,
+    }
     try:
+        if plan.options.stage is not None:  # a stage: another dataset's records, followed
+            return enqueue_stage(conn, keys, plan.name, plan.params, plan.samples, plan.options, **common)
         return enqueue_dataset(
-            conn,
-            keys,
-            plan.paths,
-            plan.name,
-            plan.params,
-            plan.samples,
-            plan.options,
-            request.replace_settings,
-            report=lambda line: click.echo(line, err=True),
-            register_only=request.register_only,
-            rejects=rejects_file,
+            conn, keys, plan.paths, plan.name, plan.params, plan.samples, plan.options, **common
         )
-    except (datasets.SettingsMismatch, LeaseLost) as exc:
+    except (datasets.SettingsMismatch, LeaseLost, StageRefused, TemplateRefused) as exc:
         raise click.ClickException(str(exc)) from exc
     except sources.SourceError as exc:  # the count pass of --max-queued met a broken file
         raise click.ClickException(str(exc)) from exc

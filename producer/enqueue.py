@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis
@@ -43,6 +43,9 @@ from genq.redis_errors import Outage, patiently
 from genq.schema import JobSpec, bit_index, record_id
 from genq.sources import SourceError
 from genq.templates import ChatTemplate
+
+if TYPE_CHECKING:
+    from genq.producer.stage import StageSource
 
 log = logging.getLogger("genq.enqueue")
 
@@ -81,6 +84,8 @@ class Options:
     server_kwargs: dict[str, Any] | None = None
     continue_to: int | None = None  # outputs continued in pieces up to this many tokens (worker/pieces.py)
     check: dict[str, Any] = field(default_factory=dict)  # the check stage (DatasetSettings.check)
+    # A stage's source: another dataset's records, followed as they land (producer/stage.py).
+    stage: StageSource | None = None
 
     def prompting(self) -> dict[str, Any]:
         """The dataset settings (decision 12) these options fix; defaults left out."""
@@ -104,6 +109,8 @@ class Options:
             "config": self.config,
             "continue_to": self.continue_to,
             "keep_fields": list(shape.keep_fields) or None,
+            "row_template": shape.template.fingerprint if shape.template else None,
+            "from_dataset": self.stage.describe() if self.stage else None,
         }
         return {k: v for k, v in values.items() if v is not None}
 
@@ -438,6 +445,7 @@ class _Pusher:
             chat_template_kwargs=options.server_kwargs,
             continue_to=options.continue_to,
             fields=prompt.fields,
+            parent=prompt.parent,
         )
         described = f"{settings.name} row {item.row}" + (f" sample {sample}" if settings.samples > 1 else "")
         return self.keys.job_id(spec.id), spec.to_kwargs(), described

@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from genq import conversation, openai_batch
 from genq.sampling import SamplingError
 from genq.sampling import check as check_sampling
+
+if TYPE_CHECKING:
+    from genq.producer.row_template import RowTemplate
 
 FORMATS = ("input_ids", "messages", "sharegpt", "prompt", "instruction", "openai-batch")
 # The column each format is detected by, in the order ``auto`` tries them.
@@ -93,6 +96,7 @@ class Prompt:
     batch: dict[str, Any] | None = None  # an openai-batch row's url and model, kept in the record
     tools: list[dict[str, Any]] | None = None  # the row's function declarations, for the template
     fields: dict[str, Any] | None = None  # the row's own fields kept for the check stage (--keep-field)
+    parent: str | None = None  # a stage's row: the id of the record it was made from (producer/stage.py)
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ class Shape:
     server_renders: bool = False  # the server renders them (a chat backend): no token ids here
     turns: str = "last"  # "all": every user turn is answered in order (genq/conversation.py)
     keep_fields: tuple[str, ...] = ()  # the row's fields copied into its records (a checker's reference)
+    template: RowTemplate | None = None  # --template: the row made from the fields first (row_template.py)
 
     def col(self, name: str) -> str:
         return self.fields.get(name, name)
@@ -117,8 +122,16 @@ class Shape:
         return next((f for f in FORMATS if self.col(KEY_COLUMN[f]) in data), None)
 
     def parse(self, data: Any) -> tuple[str, Prompt]:
-        """(format, prompt) of one row, with its kept fields; raises :class:`RowError` naming the field."""
-        fmt, prompt = self._parse(data)
+        """(format, prompt) of one row, with its kept fields; raises :class:`RowError` naming the field.
+        With a template, the row it makes of ``data`` (kept fields from either, the made row's first)."""
+        if self.template is not None:
+            if not isinstance(data, dict):
+                raise RowError(f"expected a JSON object, got {_type(data)}")
+            made = self.template.apply(data)
+            data = {**data, **made}
+            fmt, prompt = self._parse(made)
+        else:
+            fmt, prompt = self._parse(data)
         if self.keep_fields:
             missing = [name for name in self.keep_fields if name not in data]
             if missing:

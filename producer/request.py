@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,8 @@ from genq.producer.context import Limits
 from genq.producer.enqueue import Options
 from genq.producer.formats import CHAT_FORMATS, Shape
 from genq.producer.readers import first_row
+from genq.producer.row_template import RowTemplate, TemplateRefused
+from genq.producer.stage import StageSource
 from genq.sampling import Sampling, SamplingError
 from genq.sampling import check as check_sampling
 from genq.settings import Refused
@@ -54,6 +56,12 @@ class EnqueueRequest:
     files: tuple[str, ...]
     sampling: Sampling = field(default_factory=Sampling)
     dataset: str | None = None
+    # --template: a file (the command line), or a function of the row (Python's API)
+    row_template: Path | str | Callable[[Mapping[str, Any]], Any] | None = None
+    from_dataset: str | None = None  # a stage: its rows from this dataset's records
+    from_out: Path | None = None  # where those records land
+    only_accepted: bool = False
+    only_stopped: bool = False
     fmt: str = "auto"
     fields: Mapping[str, str] = field(default_factory=dict)
     split: str | None = None
@@ -99,6 +107,8 @@ class EnqueueRequest:
     @property
     def name(self) -> str:
         """The dataset's name: --dataset, else the first file's stem."""
+        if not self.dataset and not self.files:
+            raise click.UsageError("--from-dataset makes a new dataset: name it with --dataset")
         name = self.dataset or Path(self.files[0]).stem
         try:
             return validate_name(name)
@@ -177,6 +187,7 @@ class EnqueueRequest:
             )
         if self.logprobs is not None and self.turns == "all":
             raise click.UsageError("--logprobs is not kept for --turns all conversations yet")
+        self._check_stage_source()
         if self.continue_to is not None:
             self._check_continue_to()
         self._check_rendering()
@@ -189,6 +200,47 @@ class EnqueueRequest:
             )
         if self.clip_max_new_tokens and self.context_length is None:
             raise click.UsageError("--clip-max-new-tokens needs --context-length or --server")
+
+    def _check_stage_source(self) -> None:
+        """FILES or --from-dataset (with --template and --from-out), and the filters only with a stage."""
+        if bool(self.files) == bool(self.from_dataset):
+            raise click.UsageError("give FILES, or --from-dataset NAME (a stage), not both or neither")
+        if self.from_dataset is None:
+            if self.only_accepted or self.only_stopped or self.from_out is not None:
+                raise click.UsageError(
+                    "--only-accepted, --only-stopped and --from-out go with --from-dataset"
+                )
+            return
+        if self.row_template is None:
+            raise click.UsageError("--from-dataset needs --template: what a record becomes as a row")
+        if self.from_out is None:
+            raise click.UsageError(
+                "--from-dataset needs --from-out DIR, the collector's folder its records land in"
+            )
+        if self.limit is not None or self.max_queued is not None or self.wait_collector is not None:
+            raise click.UsageError("--limit, --max-queued and --wait-collector are for FILES, not a stage")
+        if self.dry_run:
+            raise click.UsageError("--dry-run reads FILES; a stage's rows are records still to come")
+
+    def row_template_of(self) -> RowTemplate | None:
+        """--template read (a file), or the API's function; TemplateRefused in one line."""
+        if self.row_template is None:
+            return None
+        if callable(self.row_template):
+            return RowTemplate.from_function(self.row_template)
+        if isinstance(self.row_template, str) and ("{{" in self.row_template or "{%" in self.row_template):
+            return RowTemplate.from_text(self.row_template)  # the API's inline template text
+        return RowTemplate.from_file(Path(self.row_template))
+
+    def stage_source(self) -> StageSource | None:
+        if self.from_dataset is None or self.from_out is None:
+            return None
+        try:
+            validate_name(self.from_dataset)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--from-dataset") from exc
+        folder = Path(self.from_out) / self.from_dataset
+        return StageSource(self.from_dataset, folder, self.only_accepted, self.only_stopped)
 
     def _check_continue_to(self) -> None:
         """--continue-to sends prompt + output so far as token ids (worker/pieces.py)."""
@@ -247,6 +299,10 @@ class EnqueueRequest:
         sampling (an OpenAI Batch file's first row's own); the options `enqueue_dataset` runs."""
         name, limits = self.name, self.limits
         try:
+            row_template = self.row_template_of()
+        except TemplateRefused as exc:
+            raise click.ClickException(str(exc)) from exc
+        try:
             paths = sources.expand(list(self.files), self.config)
             template = (
                 ChatTemplate(self.tokenizer, self.chat_template_kwargs, self.trust_remote_code)
@@ -285,6 +341,7 @@ class EnqueueRequest:
             server_renders=self.server_renders,
             turns=self.turns,
             keep_fields=tuple(dict.fromkeys(self.keep_fields)),
+            template=row_template,
         )
         row_base = None
         try:
@@ -325,6 +382,7 @@ class EnqueueRequest:
             check=check,
             # The server renders (a chat backend): the template's switches go with each request.
             server_kwargs=kwargs if self.server_renders else None,
+            stage=self.stage_source(),
         )
         return Plan(name, paths, params, samples, options)
 

@@ -36,6 +36,8 @@ def build_record(
         extra[BATCH_KEY] = spec.batch
     if spec.fields is not None:  # the row's fields a checker compares with (enqueue --keep-field)
         extra["fields"] = spec.fields
+    if spec.parent is not None:  # a stage's record: the record its prompt was made from
+        extra["parent"] = spec.parent
     if spec.tools is not None:  # the functions the model was offered: part of the prompt, for exports
         extra["tools"] = spec.tools
     if answer.finish_length is not None:

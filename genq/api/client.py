@@ -9,6 +9,7 @@ status --json` prints, waits with a progress bar, and reads a dataset's records 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -42,8 +43,9 @@ log = logging.getLogger("genq.api")
 WAIT_EVERY_S = 0.5  # how often wait() looks at the counts
 # EnqueueRequest's fields the caller does not set: the source, the sampling (keywords of their own)
 # and what the request learns from its --server.
-_NOT_OPTIONS = {"files", "sampling", "given", "max_input_len", "server_version"}
-OPTIONS = tuple(f.name for f in dataclasses.fields(EnqueueRequest) if f.name not in _NOT_OPTIONS)
+_NOT_OPTIONS = {"files", "sampling", "given", "max_input_len", "server_version", "row_template"}
+# `--template` is ``template=`` here (a file, or a function of the row: run on this host only).
+OPTIONS = ("template", *(f.name for f in dataclasses.fields(EnqueueRequest) if f.name not in _NOT_OPTIONS))
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ class Client:
 
     def enqueue(
         self,
-        source: Source,
+        source: Source | None = None,
         dataset: str | None = None,
         *,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
@@ -153,7 +155,15 @@ class Client:
             seed=seed,
             sampling_params=dict(sampling_params) if sampling_params else None,
         )
-        files = materialize(source, dataset, rows_folder(self.out, self.namespace))
+        if "template" in options:
+            options["row_template"] = options.pop("template")
+        if options.get("from_dataset") is not None:  # a stage: its rows are another dataset's records
+            options.setdefault("from_out", self.out)
+            if source is not None:
+                raise UsageError("a stage (from_dataset=) takes its rows from records: give no source")
+        files = (
+            materialize(source, dataset, rows_folder(self.out, self.namespace)) if source is not None else []
+        )
         # Set on purpose (an OpenAI Batch row may not contradict it): what differs from the defaults.
         given = {
             k for k in sampling.params() if k != "max_new_tokens" or max_new_tokens != DEFAULT_MAX_NEW_TOKENS
@@ -182,6 +192,21 @@ class Client:
             clipped=summary.clipped,
             refusals=refusals.found,
         )
+
+    def stage(
+        self, from_dataset: str, dataset: str, template: Any, **options: Any
+    ) -> concurrent.futures.Future[EnqueueResult]:
+        """Follow ``from_dataset`` in a thread: each of its records, as it lands in ``out``, becomes
+        a row of ``dataset`` by ``template`` (a Jinja file, or a function of the record run here),
+        until ``from_dataset`` is settled. ``options`` as for :meth:`enqueue` (sampling,
+        ``only_accepted``, ``only_stopped``, ...). The future's result is the enqueue's; a
+        refusal (a missing dataset, a cycle, a template naming what no record has) is its exception."""
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"genq-stage-{dataset}")
+        future = pool.submit(
+            self.enqueue, None, dataset, from_dataset=from_dataset, template=template, **options
+        )
+        pool.shutdown(wait=False)
+        return future
 
     # -- progress --------------------------------------------------------------------------------
 

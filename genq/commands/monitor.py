@@ -81,7 +81,8 @@ def counts_table(data: dict[str, Any]) -> Table:
     table.columns[0].overflow = "ellipsis"
     table.columns[0].max_width = 20
     for name, c in data["datasets"].items():
-        table.add_row(name, *(count(c[k]) for k in ("total", *STATES)))
+        shown = f"{name} ← {c['from']}" if c.get("from") else name  # a stage: the dataset it follows
+        table.add_row(shown, *(count(c[k]) for k in ("total", *STATES)))
     return table
 
 

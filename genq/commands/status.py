@@ -163,6 +163,9 @@ def status(conn: redis.Redis, keys: Keys, now: float | None = None) -> dict[str,
             per_dataset[name]["check"] = check_summary(raw)
     for name in per_dataset.keys() - set(checked):
         per_dataset[name]["check"] = None
+    for name, counts in per_dataset.items():  # a stage: the dataset whose records are its rows
+        source = settings[name].prompting.get("from_dataset") if name in settings else None
+        counts["from"] = source.get("dataset") if isinstance(source, dict) else None
     idle = _no_worker_alive(alive, everything)
     if idle:  # nothing is being made: an ETA from the last minutes' rate would be a promise
         for counts in (everything, *per_dataset.values()):

@@ -26,6 +26,7 @@ from genq.commands.run_redis import has_private_redis, redis_of, require_dataset
 from genq.connection import connect, redact
 from genq.entries import BadEntry, quarantined, read_entry
 from genq.keys import Keys
+from genq.producer import stage
 from genq.queues import rq_queue
 from genq.schema import (
     ERRORS,
@@ -189,6 +190,10 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
             expected |= _int(enqueued or b"", size)
     else:
         expected = _int(enqueued or b"", size)
+    made = _stage_rows(conn, keys, out, settings) if not files else None
+    if made is not None:  # a stage: a row for each record of its source on disk, too
+        size = max(size, len(made.data))
+        expected = _int(enqueued or b"", size) | _int(bytes(made.data), size)
     refused = _int(rejected or b"", size)
     somewhere = 0  # queued, in flight, retrying or on disk
     for bits in states.values():
@@ -206,7 +211,7 @@ def audit(conn: redis.Redis, keys: Keys, out: Path, name: str, files: list[Path]
     ]
     if result.in_source and len(result.missing) <= result.in_source:
         result.missing, result.missing_indexes = [], []  # enqueue --max-queued is still feeding them in
-    given = " ".join(map(str, files)) if files else " ".join(settings.sources) or "<its files>"
+    given = _given(settings, files, out)
     result.command = f"genq enqueue {given} --dataset {name}"
     result.repair = f"genq verify --out {out} {given} --dataset {name} --repair"
     return result
@@ -252,6 +257,29 @@ def _lines(path: Path) -> Iterator[Any]:
                 yield orjson.loads(line)
             except orjson.JSONDecodeError:
                 continue
+
+
+def _given(settings: datasets.DatasetSettings, files: list[Path] | None, out: Path) -> str:
+    """What the enqueue that makes the dataset's jobs again is given: its files, or its source."""
+    if files:
+        return " ".join(map(str, files))
+    source = settings.prompting.get("from_dataset")
+    if source:
+        return f"--from-dataset {source.get('dataset')} --from-out {out} --template <its template>"
+    return " ".join(settings.sources) or "<its files>"
+
+
+def _stage_rows(conn: redis.Redis, keys: Keys, out: Path, settings: datasets.DatasetSettings) -> Bits | None:
+    """A stage's rows: one for each record of its source on disk that passes its filters (None: the
+    dataset is no stage)."""
+    source = settings.prompting.get("from_dataset")
+    if not source:
+        return None
+    made = Bits()
+    upstream = datasets.load_all(conn, keys).get(source.get("dataset", ""))
+    for index in stage.expected_indexes(out, settings, upstream.samples) if upstream else ():
+        made.set(index)
+    return made
 
 
 def _int(data: bytes, size: int) -> int:
