@@ -81,6 +81,24 @@ def test_the_example_script_runs_as_written_and_again_generates_nothing(tmp_path
     assert not _processes_naming(out)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_stages_example_judges_each_answer_once(tmp_path):
+    """examples/stages.py as written: 200 answers, a judge stage following them, each answer judged
+    once (its verdict naming it), the answers kept those the files say were judged right."""
+    out = tmp_path / "out"
+    argv = [sys.executable, str(REPO / "examples" / "stages.py"), str(out)]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers = read_jsonl(out / "answers" / "raw_responses.jsonl")
+    verdicts = read_jsonl(out / "verdicts" / "raw_responses.jsonl")
+    assert sorted(v["parent"] for v in verdicts) == sorted(a["id"] for a in answers)
+    assert len(answers) == 200 and "verdicts: 200 judged" in done.stdout
+    right = sum("right" in (v["content"] or "").split() for v in verdicts)
+    assert f"answers: 200, kept (judged right): {right}" in done.stdout
+    assert not _processes_naming(out)
+
+
 def _processes_naming(out: Path) -> list[str]:
     """Command lines of live processes that name ``out`` (the run, its collector, its Redis)."""
     found = []

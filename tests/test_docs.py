@@ -197,7 +197,7 @@ def test_only_the_commands_that_name_a_dataset_read_genq_dataset():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("job", ["Job A", "Job B"])
+@pytest.mark.parametrize("job", ["Job A", "Job B", "Job C"])
 def test_the_recipes_run_as_written(tmp_path, job):
     """docs/recipes.md's commands, as a user pastes them, from a folder laid out as the repository's
     root (the simulator in place of the cluster): each ends 0 and writes the files it says."""
@@ -225,6 +225,12 @@ def test_the_recipes_run_as_written(tmp_path, job):
         records = read_jsonl(tmp_path / "out-a" / "prompts" / "raw_responses.jsonl")
         assert len(records) == 200 and all(r["reasoning"] is not None for r in records)
         assert len(read_jsonl(tmp_path / "out-a" / "prompts" / "sharegpt.jsonl")) == 200
+    elif job == "Job C":
+        verdicts = read_jsonl(tmp_path / "out-c" / "verdicts" / "raw_responses.jsonl")
+        answers = read_jsonl(tmp_path / "out-c" / "answers" / "raw_responses.jsonl")
+        assert (
+            sorted(v["parent"] for v in verdicts) == sorted(a["id"] for a in answers) and len(answers) == 200
+        )
     else:
         for i in range(10):
             rows = read_jsonl(tmp_path / "out-b" / f"set{i}" / "tokenized_data.jsonl")

@@ -41,6 +41,9 @@ from genq.settings import DEFAULT_NAMESPACE, DEFAULT_REDIS_URL
 log = logging.getLogger("genq.api")
 
 WAIT_EVERY_S = 0.5  # how often wait() looks at the counts
+SOURCE_WAIT_S = (
+    30.0  # stage(): how long a source not registered yet (another stage's, starting) is waited for
+)
 # EnqueueRequest's fields the caller does not set: the source, the sampling (keywords of their own)
 # and what the request learns from its --server.
 _NOT_OPTIONS = {"files", "sampling", "given", "max_input_len", "server_version", "row_template"}
@@ -198,9 +201,13 @@ class Client:
     ) -> concurrent.futures.Future[EnqueueResult]:
         """Follow ``from_dataset`` in a thread: each of its records, as it lands in ``out``, becomes
         a row of ``dataset`` by ``template`` (a Jinja file, or a function of the record run here),
-        until ``from_dataset`` is settled. ``options`` as for :meth:`enqueue` (sampling,
+        until ``from_dataset`` is settled; a source not registered yet (another stage's thread
+        starting) is waited for up to SOURCE_WAIT_S. ``options`` as for :meth:`enqueue` (sampling,
         ``only_accepted``, ``only_stopped``, ...). The future's result is the enqueue's; a
         refusal (a missing dataset, a cycle, a template naming what no record has) is its exception."""
+        deadline = time.monotonic() + SOURCE_WAIT_S  # a source another stage's thread registers now
+        while not self.conn.hexists(self.keys.datasets, from_dataset) and time.monotonic() < deadline:
+            time.sleep(0.05)
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"genq-stage-{dataset}")
         future = pool.submit(
             self.enqueue, None, dataset, from_dataset=from_dataset, template=template, **options
