@@ -171,6 +171,14 @@ def test_the_api_says_what_it_refuses_in_genq_words(redis_url, namespace, tmp_pa
     assert refusal["dataset_row"] == 1 and "no prompt" in refusal["reason"]
     assert client.status()["datasets"]["mixed"]["queued"] == 2
 
+    import pandas
+
+    frame = pandas.DataFrame({"prompt": ["x", "y"], "score": [0.5, float("nan")]})
+    framed = client.enqueue(frame, dataset="framed", max_new_tokens=8, keep_fields=("score",))
+    assert (framed.read, framed.enqueued) == (2, 2)
+    written = read_jsonl(tmp_path / "rows" / namespace / "framed.jsonl")
+    assert written == [{"prompt": "x", "score": 0.5}, {"prompt": "y", "score": None}]  # NaN: null, not 0
+
     again = client.enqueue(rows, dataset="mixed", max_new_tokens=8)
     assert (again.enqueued, again.skipped) == (0, 2)
     with pytest.raises(genq.GenqError, match="another file under the same name"):

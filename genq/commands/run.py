@@ -72,6 +72,11 @@ _RUN_OWN = {
     "register_only",  # run's enqueues register each dataset and wait for its collector
     "wait_collector",
     "rejects",  # run writes them to OUT/<dataset>/rejected.jsonl
+    # a stage follows a dataset of the run from another process (genq enqueue --from-dataset)
+    "from_dataset",
+    "from_out",
+    "only_accepted",
+    "only_stopped",
 }
 # The check stage (enqueue --checked, --accept K --max-samples M): run starts `genq check` with the
 # checker this command line names, the running host's own consent (never Redis's).
