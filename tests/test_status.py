@@ -132,6 +132,7 @@ def test_status_reads_known_counters_exactly(conn, namespace):
             "read": 10,
         },
         "check": None,  # not a checked dataset
+        "from": None,  # no stage: its rows are its files
     }
     legacy = data["datasets"]["legacy"]
     assert legacy["ledger"] is None, "counters of an older genq: where the rows went is unknown"
