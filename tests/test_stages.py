@@ -195,3 +195,49 @@ def test_what_a_stage_cannot_be_is_refused_in_one_line(procs, out, tmp_path):
     code, said = stage("--from-dataset", "A", "--dataset", "A", "--from-out", out, "--template", template)
     assert code == 1 and "a cycle (A <- A)" in said, said
     assert len(said.splitlines()) == 1
+
+
+CHECKER = """
+def judge(record):
+    if record["row"] % 5 == 0:
+        raise RuntimeError("no verdict for this one")
+    return record["row"] % 2 == 0
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stage_of_only_the_accepted_records(procs, start_sim, out, tmp_path):
+    """--only-accepted: B's rows are exactly A's records its checker accepted (not those it
+    rejected, not those it failed on); verify counts B's rows from A's accepted records."""
+    rows = 30
+    data = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"Question {row}"} for row in range(rows)])
+    (tmp_path / "judges.py").write_text(CHECKER)
+    (tmp_path / "t.jinja").write_text("Judge: {{ content }}")
+    url = start_sim("--latency", "zero")
+    assert procs.run("enqueue", data, "--dataset", "A", "--checked", "--max-new-tokens", "8").returncode == 0
+    roles = [
+        procs.start("collect", "--out", out),
+        procs.start("worker", "--server", url, "--concurrency", "8"),
+        procs.start(
+            "check", "--check", "judges:judge", "--max-check-attempts", "1", env={"PYTHONPATH": str(tmp_path)}
+        ),
+    ]
+    follower = procs.start(
+        "enqueue", "--from-dataset", "A", "--dataset", "B", "--from-out", out, "--template",
+        tmp_path / "t.jinja", "--only-accepted", "--max-new-tokens", "8", name="stage-B",
+    )  # fmt: skip
+    assert follower.wait(240) == 0, log_of(follower)
+    accepted = {row for row in range(rows) if row % 5 and row % 2 == 0}
+    wait_until(
+        lambda: len(_lines_by_id(out / "B" / "raw_responses.jsonl")) >= len(accepted), 120, "B's records"
+    )
+    for proc in roles:
+        assert stop(proc, timeout=60) == 0, log_of(proc)
+    a = read_jsonl(out / "A" / "raw_responses.jsonl")
+    assert {r["row"] for r in a if r["check"]["status"] == "check_failed"} == {0, 5, 10, 15, 20, 25}
+    assert read_jsonl(out / "A" / "rejected_samples.jsonl"), "the checker rejected nothing"
+    b = read_jsonl(out / "B" / "raw_responses.jsonl")
+    assert sorted(r["parent"] for r in b) == sorted(f"A-{row}" for row in accepted)
+    verified = procs.run("verify", "--out", out, "--dataset", "B")
+    assert verified.returncode == 0 and f"B: {len(accepted)} expected" in verified.stdout, verified.stdout
