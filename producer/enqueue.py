@@ -199,7 +199,9 @@ def _enqueue_leased(
         summary.fatal = str(exc)
     summary.enqueued += pusher.flush()
     pusher.save_prints()  # the files read to their end (rows refused or skipped at their ends too)
-    if summary.fatal is None:  # every row read: the bitmap holds the full total
+    # Every row read: the bitmap holds the full total. A stage's follower holds in_source itself
+    # until its source is settled (producer/stage.py): a gap here would show it finished early.
+    if summary.fatal is None and options.stage is None:
         patiently(lambda: conn.hdel(keys.in_source, settings.name), pusher.outage)
     return summary
 

@@ -120,6 +120,8 @@ def enqueue_stage(
     if register_only:
         return Summary()
     report(f"{name}: following {source.dataset}'s records in {source.folder} until it is settled")
+    # One job held open from the start: nothing waiting on the stage sees it finished early.
+    patiently(lambda: conn.hset(keys.in_source, name, settings.first_draw), outage)
     return follow(conn, keys, settings, source, options, report, rejects)
 
 
