@@ -93,6 +93,11 @@ def check_source(
             f"--from-out {source.folder.parent}: no such folder; give the collector's --out, where "
             f"{source.dataset}'s records land"
         )
+    if source.only_accepted and not known[source.dataset].checked:
+        raise StageRefused(
+            f"--only-accepted: {source.dataset} is not checked (enqueue it with --checked or --accept K): "
+            "none of its records would be taken"
+        )
     template.check_names(RECORD_FIELDS, f"{source.dataset}'s records")
 
 

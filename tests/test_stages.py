@@ -189,6 +189,10 @@ def test_what_a_stage_cannot_be_is_refused_in_one_line(procs, out, tmp_path):
     code, said = stage("--from-dataset", "A", "--dataset", "B", "--from-out", out)
     assert code == 2 and "--from-dataset needs --template" in said
     code, said = stage(
+        "--from-dataset", "A", "--dataset", "B", "--from-out", out, "--template", template, "--only-accepted"
+    )
+    assert code == 1 and "--only-accepted: A is not checked" in said, said
+    code, said = stage(
         data, "--from-dataset", "A", "--dataset", "B", "--from-out", out, "--template", template
     )
     assert code == 2 and "not both or neither" in said
@@ -209,7 +213,8 @@ def judge(record):
 @pytest.mark.timeout(300)
 def test_a_stage_of_only_the_accepted_records(procs, start_sim, out, tmp_path):
     """--only-accepted: B's rows are exactly A's records its checker accepted (not those it
-    rejected, not those it failed on); verify counts B's rows from A's accepted records."""
+    rejected, not those it failed on: filed apart, they make no row); verify counts B's rows from
+    A's accepted records."""
     rows = 30
     data = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"Question {row}"} for row in range(rows)])
     (tmp_path / "judges.py").write_text(CHECKER)
@@ -234,9 +239,11 @@ def test_a_stage_of_only_the_accepted_records(procs, start_sim, out, tmp_path):
     )
     for proc in roles:
         assert stop(proc, timeout=60) == 0, log_of(proc)
-    a = read_jsonl(out / "A" / "raw_responses.jsonl")
-    assert {r["row"] for r in a if r["check"]["status"] == "check_failed"} == {0, 5, 10, 15, 20, 25}
-    assert read_jsonl(out / "A" / "rejected_samples.jsonl"), "the checker rejected nothing"
+    # The records it rejected or failed on are A's rejected samples, apart: they make no row of B.
+    apart = {r["row"]: r["check"]["status"] for r in read_jsonl(out / "A" / "rejected_samples.jsonl")}
+    assert {row for row, status in apart.items() if status == "check_failed"} == {0, 5, 10, 15, 20, 25}
+    rejected = {row for row in range(rows) if row % 2 and row % 5}
+    assert {row for row, status in apart.items() if status == "rejected"} == rejected
     b = read_jsonl(out / "B" / "raw_responses.jsonl")
     assert sorted(r["parent"] for r in b) == sorted(f"A-{row}" for row in accepted)
     verified = procs.run("verify", "--out", out, "--dataset", "B")
